@@ -1,0 +1,26 @@
+# Set-up and the two entry points the README names: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint install
+
+install: $(STAMP)
+
+# torch first, pinned to the CPU wheel, so the package's `torch>=2.6` is already met.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q

@@ -1,0 +1,33 @@
+# The `shardwise` command: a short dispatcher, one module per subcommand.
+"""``shardwise [--version] <command> ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardwise.cli import env as env_command
+
+__all__ = ["main"]
+
+_COMMANDS = {"env": env_command}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``shardwise`` command line; returns the exit code."""
+    from shardwise import __version__
+
+    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    for name, module in _COMMANDS.items():
+        module.register(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(_COMMANDS[args.command].run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

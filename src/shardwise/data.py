@@ -1,0 +1,146 @@
+# Distributed, device-placed loading: a DistributedSampler loader and one-call batch transfer.
+"""Data distribution and device transfer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from shardwise.env import Env
+from shardwise.errors import DataError
+
+__all__ = ["DeviceLoader", "to_device", "shard_loader"]
+
+
+def to_device(batch: Any, device: torch.device, *, non_blocking: bool = True) -> Any:
+    """Move every tensor in ``batch`` to ``device`` in one TensorDict call; keep its structure.
+
+    Dicts, lists, tuples and namedtuples nest freely; other objects with a ``.to`` method
+    (e.g. Transformers' ``BatchEncoding``) are moved with it; anything else is left alone.
+    """
+    leaves, spec = tree_flatten(batch)
+    tensors = {str(i): leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    if tensors:
+        moved = TensorDict(tensors, batch_size=[]).to(device, non_blocking=non_blocking)
+        for key, value in moved.items():
+            leaves[int(key)] = value
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) and callable(getattr(leaf, "to", None)):
+            leaves[i] = leaf.to(device)
+    return tree_unflatten(leaves, spec)
+
+
+class DeviceLoader:
+    """Iterates a loader, calling ``set_epoch`` each epoch and moving batches to the device.
+
+    ``epoch`` is the epoch being iterated and ``batch_in_epoch`` the batches handed out in
+    it; :meth:`set_epoch` chooses the epoch the next iteration starts.
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device, *,
+                 non_blocking: bool = True) -> None:
+        self.loader = loader
+        self.device = device
+        self.non_blocking = non_blocking
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._next_epoch = 0
+        # batches on the CPU are already where they belong: no transfer at all
+        self._move = device.type != "cpu"
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (for resuming)."""
+        self._next_epoch = epoch
+
+    @property
+    def sampler(self) -> Any:
+        """The underlying loader's sampler (a ``DistributedSampler`` when sharded)."""
+        return getattr(self.loader, "sampler", None)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        self.epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        self.batch_in_epoch = 0
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(self.epoch)
+        device, non_blocking = self.device, self.non_blocking
+        for batch in self.loader:
+            if self._move:
+                batch = to_device(batch, device, non_blocking=non_blocking)
+            self.batch_in_epoch += 1
+            yield batch
+
+
+def _shuffles(loader: DataLoader[Any]) -> bool:
+    sampler = loader.sampler
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler._num_samples is not None:
+            raise DataError(
+                "the loader's RandomSampler draws with replacement or a set num_samples, which "
+                "a DistributedSampler cannot reproduce; use shuffle=True alone, or shard the "
+                "data yourself and pass a loader whose sampler is a DistributedSampler")
+        return True
+    if isinstance(sampler, SequentialSampler):
+        return False
+    raise DataError(
+        f"the loader's sampler is a {type(sampler).__name__}; shardwise can distribute loaders "
+        "built with shuffle=True/False. Use a DistributedSampler of your own (it is kept as is)")
+
+
+def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
+                 pin_memory: bool = False) -> Iterable[Any]:
+    """A copy of ``loader`` whose sampler is a ``DistributedSampler`` for ``env``.
+
+    Keeps batch_size, shuffle, drop_last, collate_fn, workers and the rest. A loader that
+    already has a ``DistributedSampler`` is kept.
+
+    Raises:
+        DataError: the loader cannot be split across ranks as it is.
+    """
+    if not isinstance(loader, DataLoader):
+        if env.is_distributed:
+            raise DataError(
+                f"the loader is a {type(loader).__name__}, not a torch DataLoader, so shardwise "
+                f"cannot split it across {env.world_size} ranks; pass a DataLoader, or split "
+                "the data yourself and leave the loader out of the pipeline call")
+        return loader
+    if isinstance(loader.sampler, DistributedSampler):
+        return loader
+    if isinstance(loader.dataset, IterableDataset):
+        if env.is_distributed:
+            raise DataError(
+                f"the loader's dataset is an IterableDataset ({type(loader.dataset).__name__}), "
+                "which a sampler cannot split; yield only this rank's share in the dataset "
+                "(torch.distributed.get_rank()) and leave the loader out of the pipeline call")
+        return loader
+    if loader.batch_size is None:
+        raise DataError("the loader was built with a batch_sampler; shardwise needs batch_size "
+                        "and shuffle to build the distributed sampler")
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        loader.dataset, num_replicas=env.world_size, rank=env.rank, shuffle=_shuffles(loader),
+        seed=seed, drop_last=loader.drop_last)
+    extra: dict[str, Any] = {}
+    if loader.num_workers > 0:
+        extra = dict(prefetch_factor=loader.prefetch_factor,
+                     persistent_workers=loader.persistent_workers)
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+        num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+        pin_memory=pin_memory or loader.pin_memory, drop_last=loader.drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        **extra)

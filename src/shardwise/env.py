@@ -1,0 +1,265 @@
+# Env, the frozen record of where this process runs, and detect(), which reads it once.
+"""Where we run: :class:`Env` and :func:`detect`."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from shardwise.errors import EnvError
+
+__all__ = ["Env", "detect", "CONFIG_ENV_VAR", "Launcher", "Precision"]
+
+Launcher = Literal["none", "torchrun", "env", "slurm", "mpi"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+#: The variable a launcher sets to hand a config file to the script (``Env.config_path``).
+CONFIG_ENV_VAR = "SHARDWISE_CONFIG_FILE"
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def _to_timeout(value: object) -> datetime.timedelta:
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise EnvError(f"'timeout' must be a datetime.timedelta or seconds (got {value!r})")
+    if seconds <= 0:
+        raise EnvError(f"'timeout' must be positive (got {value!r} = {seconds} s)")
+    return datetime.timedelta(seconds=seconds)
+
+
+@attrs.frozen
+class Env:
+    """Where this process runs. Built by :func:`detect`; reading it changes nothing.
+
+    Example:
+        >>> env = sw.detect()
+        >>> env.world_size, env.device, env.backend
+        (1, device(type='cpu'), 'gloo')
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    device: torch.device = attrs.field(default=torch.device("cpu"), converter=torch.device)
+    backend: str = "gloo"
+    precisions: tuple[Precision, ...] = ("fp32", "bf16")
+    device_memory_bytes: int | None = None
+    timeout: datetime.timedelta = attrs.field(default=DEFAULT_TIMEOUT, converter=_to_timeout)
+    launcher: Launcher = "none"
+    config_path: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("world_size", "local_world_size", "num_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise EnvError(f"'{name}' must be an integer >= 1 (got {value!r})")
+        checks = (("rank", self.world_size), ("local_rank", self.local_world_size),
+                  ("node_rank", self.num_nodes))
+        for name, bound in checks:
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < bound:
+                raise EnvError(f"'{name}' must be an integer in [0, {bound}) (got {value!r})")
+        unknown = [p for p in self.precisions if p not in ("fp32", "bf16", "fp16")]
+        if unknown:
+            raise EnvError(f"'precisions' may hold 'fp32', 'bf16', 'fp16' (got {unknown!r})")
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that logs and writes shared files."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when more than one process takes part."""
+        return self.world_size > 1
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+    raw = environ[key]
+    try:
+        return int(raw)
+    except ValueError:
+        raise EnvError(f"environment variable {key} must be an integer (got {raw!r})") from None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list such as ``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise EnvError(f"cannot read a host from SLURM node list {nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _from_torchrun(environ: Mapping[str, str]) -> dict[str, Any]:
+    world = _int(environ, "WORLD_SIZE")
+    local_world = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world
+    if "GROUP_WORLD_SIZE" in environ:
+        nodes = _int(environ, "GROUP_WORLD_SIZE")
+    else:
+        nodes = max(1, world // local_world)
+    node_rank = _int(environ, "GROUP_RANK") if "GROUP_RANK" in environ else (
+        _int(environ, "NODE_RANK") if "NODE_RANK" in environ else 0)
+    return dict(
+        world_size=world, rank=_int(environ, "RANK"), local_rank=_int(environ, "LOCAL_RANK"),
+        local_world_size=local_world, num_nodes=nodes, node_rank=node_rank,
+        master_addr=environ.get("MASTER_ADDR"),
+        master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None,
+        launcher="torchrun" if "TORCHELASTIC_RUN_ID" in environ else "env",
+    )
+
+
+def _from_slurm(environ: Mapping[str, str]) -> dict[str, Any]:
+    world = _int(environ, "SLURM_NTASKS")
+    nodes = _int(environ, "SLURM_NNODES") if "SLURM_NNODES" in environ else 1
+    per_node = environ.get("SLURM_NTASKS_PER_NODE", "")
+    local_world = int(per_node) if per_node.isdigit() else max(1, world // nodes)
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    addr = environ.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1")
+    if "MASTER_PORT" in environ:
+        port = _int(environ, "MASTER_PORT")
+    else:  # the same on every task of the job, and unlikely to clash with another job's
+        port = 15000 + _int(environ, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in environ else 29500
+    return dict(
+        world_size=world, rank=_int(environ, "SLURM_PROCID"),
+        local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+        local_world_size=local_world, num_nodes=nodes,
+        node_rank=_int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0,
+        master_addr=addr, master_port=port, launcher="slurm",
+    )
+
+
+def _from_mpi(environ: Mapping[str, str]) -> dict[str, Any]:
+    world = _int(environ, "OMPI_COMM_WORLD_SIZE")
+    local_world = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE") \
+        if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ else world
+    rank = _int(environ, "OMPI_COMM_WORLD_RANK")
+    nodes = max(1, world // local_world)
+    return dict(
+        world_size=world, rank=rank,
+        local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
+        if "OMPI_COMM_WORLD_LOCAL_RANK" in environ else rank,
+        local_world_size=local_world, num_nodes=nodes, node_rank=min(rank // local_world, nodes - 1),
+        master_addr=environ.get("MASTER_ADDR", "127.0.0.1" if nodes == 1 else None),
+        master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else 29500,
+        launcher="mpi",
+    )
+
+
+_TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def _topology(environ: Mapping[str, str]) -> dict[str, Any]:
+    present = [k for k in _TORCHRUN_KEYS if k in environ]
+    if present:
+        missing = [k for k in _TORCHRUN_KEYS if k not in environ]
+        if missing:
+            raise EnvError(
+                f"found {', '.join(present)} but not {', '.join(missing)} in the environment: "
+                f"a torchrun-style launch sets all of {', '.join(_TORCHRUN_KEYS)}; set the missing "
+                "ones or unset the others")
+        return _from_torchrun(environ)
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        return _from_slurm(environ)
+    if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
+        return _from_mpi(environ)
+    return {}
+
+
+def _device_facts(device: torch.device, world_size: int) -> dict[str, Any]:
+    """Backend, precisions and memory of ``device``."""
+    kind = device.type
+    if kind == "cuda":
+        index = device.index or 0
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return dict(backend="nccl", precisions=("fp32", "bf16", "fp16") if bf16 else ("fp32", "fp16"),
+                    device_memory_bytes=torch.cuda.get_device_properties(index).total_memory)
+    if kind == "xpu":
+        index = device.index or 0
+        return dict(backend="xccl", precisions=("fp32", "bf16", "fp16"),
+                    device_memory_bytes=torch.xpu.get_device_properties(index).total_memory)
+    if kind == "mps":
+        return dict(backend="gloo", precisions=("fp32", "bf16", "fp16"), device_memory_bytes=None)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = None
+    # fp16 autocast on CPU is slow and GradScaler's fp16 path is unsupported there: fp32 and bf16.
+    return dict(backend="gloo", precisions=("fp32", "bf16"), device_memory_bytes=ram)
+
+
+def _pick_device(local_rank: int, world_size: int) -> torch.device:
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise EnvError(f"local rank {local_rank} has no CUDA device: this machine has {count}; "
+                           f"start at most {count} processes per node")
+        return torch.device("cuda", local_rank)
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", local_rank % torch.xpu.device_count())
+    if world_size == 1 and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env:
+    """Read the launcher's variables and the hardware into an :class:`Env`. Changes nothing.
+
+    Reads torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK``/
+    ``MASTER_ADDR``/``MASTER_PORT``, else SLURM's (``srun`` without torchrun), else OpenMPI's
+    ``OMPI_COMM_WORLD_*``; else it is one process. The config file comes from
+    ``$SHARDWISE_CONFIG_FILE``.
+
+    Args:
+        environ: variables to read instead of ``os.environ`` (for tests).
+        **overrides: any :class:`Env` field, e.g. ``timeout=3600`` (Transformers'
+            ``ddp_timeout``, seconds or a timedelta) or ``device="cpu"``. Backend, precisions
+            and memory follow an overridden device unless given too.
+
+    Returns:
+        The frozen :class:`Env`.
+
+    Raises:
+        EnvError: a variable or override is malformed; the message names it.
+
+    Example:
+        >>> env = sw.detect(timeout=3600)
+        >>> env.timeout.total_seconds()
+        3600.0
+    """
+    fields = attrs.fields_dict(Env)
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise EnvError(f"detect() got unknown override(s) {unknown}; accepted: {sorted(fields)}")
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = _topology(environ)
+    values.update({k: v for k, v in overrides.items() if k in
+                   ("world_size", "rank", "local_rank", "local_world_size", "node_rank",
+                    "num_nodes", "master_addr", "master_port", "launcher")})
+    device = overrides.get("device")
+    if device is None:
+        device = _pick_device(values.get("local_rank", 0), values.get("world_size", 1))
+    device = torch.device(device)
+    values.update(_device_facts(device, values.get("world_size", 1)))
+    values["device"] = device
+    values["config_path"] = environ.get(CONFIG_ENV_VAR) or None
+    values.update(overrides)
+    if "precisions" in values:
+        values["precisions"] = tuple(values["precisions"])
+    return Env(**values)

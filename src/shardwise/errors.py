@@ -1,0 +1,56 @@
+# The exception types shardwise raises for mistakes a user can make.
+"""Exception types.
+
+Each subclasses ``ValueError`` or ``TypeError`` so that plain ``except ValueError``
+keeps working; catch :class:`ShardwiseError` to catch every one of them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShardwiseError",
+    "EnvError",
+    "ConflictError",
+    "PrecisionError",
+    "OptimizerError",
+    "LossError",
+    "NonFiniteError",
+    "DataError",
+    "RankFailedError",
+]
+
+
+class ShardwiseError(Exception):
+    """Base class of every error shardwise raises on purpose."""
+
+
+class EnvError(ShardwiseError, ValueError):
+    """The launcher's environment variables or an override to ``detect()`` are wrong."""
+
+
+class ConflictError(ShardwiseError, ValueError):
+    """Two parts of a pipeline contradict each other, or a transform is applied twice."""
+
+
+class PrecisionError(ShardwiseError, ValueError):
+    """A precision was asked for that the device cannot do, or is not a known name."""
+
+
+class OptimizerError(ShardwiseError, ValueError):
+    """The optimizer cannot be re-bound to the distributed model."""
+
+
+class LossError(ShardwiseError, TypeError):
+    """The step could not find a loss in what the model or ``loss_fn`` returned."""
+
+
+class NonFiniteError(ShardwiseError, ValueError):
+    """A loss or gradient was NaN or infinite and ``on_nonfinite="raise"``."""
+
+
+class DataError(ShardwiseError, ValueError):
+    """A data loader cannot be distributed as it is."""
+
+
+class RankFailedError(ShardwiseError, RuntimeError):
+    """A rank started by :func:`shardwise.testing.run_distributed` failed or timed out."""

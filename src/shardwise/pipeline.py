@@ -1,0 +1,161 @@
+# pipeline(): sorts transforms into the canonical order, refuses contradictions, picks defaults.
+"""The pipeline: the only combinator of transforms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, get_args
+
+import attrs
+import torch
+
+from shardwise._params import refuse_state
+from shardwise.bundle import Bundle, LossFn, OnNonFinite, Plan
+from shardwise.distributed import ensure_process_group
+from shardwise.env import Env, detect
+from shardwise.errors import ConflictError
+from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.distribute_data import DistributeData, distribute_data
+from shardwise.transforms.mixed_precision import MixedPrecision, check_precision, mixed_precision
+from shardwise.transforms.place import place
+from shardwise.transforms.replicate import replicate
+
+__all__ = ["Pipeline", "pipeline"]
+
+
+@attrs.frozen
+class Step:
+    """One transform of a pipeline and, when the pipeline chose it, the reason."""
+
+    transform: Transform
+    reason: str | None = None
+
+
+def _defaults(env: Env, given: list[Transform]) -> list[Step]:
+    """The transforms the env calls for that the user did not give, each with its reason."""
+    chosen: list[Step] = []
+    stages = {t.stage for t in given}
+    if env.is_distributed and Stage.DISTRIBUTION not in stages:
+        chosen.append(Step(replicate(), f"default: {env.world_size} processes and no "
+                                        "distribution transform given"))
+    if not any(isinstance(t, MixedPrecision) for t in given):
+        if env.device.type == "cuda" and "bf16" in env.precisions:
+            chosen.append(Step(mixed_precision("bf16"),
+                               f"default: {env.device} computes bf16 natively"))
+        else:
+            chosen.append(Step(mixed_precision("fp32"),
+                               f"default: {env.device} has no fast native bf16"))
+    chosen.append(Step(place(), "always"))
+    if not any(isinstance(t, DistributeData) for t in given):
+        chosen.append(Step(distribute_data(), "added when a loader is given"))
+    return chosen
+
+
+def _check(parts: list[Transform], env: Env) -> None:
+    seen: dict[type, Transform] = {}
+    for part in parts:
+        if type(part) in seen:
+            raise ConflictError(f"{seen[type(part)]!r} and {part!r} are the same transform "
+                                "given twice; keep one, with the settings you want")
+        seen[type(part)] = part
+    distribution = [p for p in parts if p.stage == Stage.DISTRIBUTION]
+    if len(distribution) > 1:
+        raise ConflictError(f"{distribution[0]!r} and {distribution[1]!r} both distribute the "
+                            "model; a pipeline takes at most one distribution transform")
+    for part in parts:
+        if isinstance(part, MixedPrecision):
+            check_precision(part.precision, env, repr(part))
+
+
+@attrs.frozen
+class Pipeline:
+    """An env and its transforms in canonical order; call it on a model to get a :class:`Bundle`.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.detect(), sw.accumulate_gradients(2))
+        >>> print(pipe.explain())
+        >>> bundle = pipe(model, optimizer, loader)
+    """
+
+    env: Env
+    steps: tuple[Step, ...]
+    on_nonfinite: OnNonFinite = "raise"
+
+    @property
+    def transforms(self) -> tuple[Transform, ...]:
+        """The transforms in the order they are applied."""
+        return tuple(s.transform for s in self.steps)
+
+    def explain(self) -> str:
+        """What the pipeline will do, stage by stage, with each setting and why defaults were chosen."""
+        env = self.env
+        lines = [f"shardwise pipeline: {env.world_size} process(es) ({env.launcher}), "
+                 f"rank {env.rank}, device {env.device}, backend {env.backend}"]
+        for i, step in enumerate(self.steps, 1):
+            t = step.transform
+            why = f"  [{step.reason}]" if step.reason and step.reason != "always" else ""
+            lines.append(f"  {i}. {t.stage.name.lower():<12} {t!r}{why}")
+            lines.append(f"     {'':<12} -> {t.describe(env)}")
+        lines.append(f"  non-finite loss/gradient in fp32/bf16: {self.on_nonfinite}")
+        return "\n".join(lines)
+
+    def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 loader: Iterable[Any] | None = None, *, scheduler: Any = None,
+                 loss_fn: LossFn | None = None) -> Bundle:
+        """Apply the transforms to a fresh bundle of these objects, in canonical order.
+
+        The model and optimizer are changed in place (wrapped, moved, re-bound); use the
+        returned bundle's ``model``, ``optimizer`` and ``loader`` from here on.
+
+        Raises:
+            OptimizerError: the optimizer already holds state.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"pipeline(...)(model, ...) needs a torch.nn.Module "
+                            f"(got {type(model).__name__})")
+        refuse_state(optimizer)
+        ensure_process_group(self.env)
+        bundle = Bundle(model=model, optimizer=optimizer, loader=loader, scheduler=scheduler,
+                        env=self.env, plan=Plan(on_nonfinite=self.on_nonfinite), loss_fn=loss_fn)
+        for transform in self.transforms:
+            bundle = transform(bundle)
+        return bundle
+
+
+def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pipeline:
+    """Build a pipeline from at most one :class:`Env` and any transforms, in any order.
+
+    Transforms are sorted into the canonical stages (settings, surgery, distribution,
+    placement, data). What the env needs and the parts do not say is chosen by default:
+    ``replicate()`` for several processes, bf16 on CUDA devices that compute it natively
+    (else fp32), placement, and data distribution when a loader is passed.
+
+    Args:
+        *parts: an optional :class:`Env` (else :func:`detect` is called) and transforms.
+        on_nonfinite: ``"raise"`` or ``"skip"`` on a non-finite loss/gradient in fp32/bf16.
+
+    Raises:
+        ConflictError: two Envs, a transform given twice, two distribution transforms.
+        PrecisionError: a precision the env's device cannot do.
+        TypeError: a part that is neither an Env nor a transform.
+
+    Example:
+        >>> bundle = sw.pipeline(sw.detect())(model, optimizer, loader)
+    """
+    envs = [p for p in parts if isinstance(p, Env)]
+    transforms = [p for p in parts if isinstance(p, Transform)]
+    for part in parts:
+        if not isinstance(part, (Env, Transform)):
+            raise TypeError(f"pipeline() takes an Env and transforms (got {part!r} of type "
+                            f"{type(part).__name__}); build transforms with sw.replicate(), ...")
+    if len(envs) > 1:
+        raise ConflictError(f"pipeline() got {len(envs)} Envs ({envs[0]!r} and {envs[1]!r}); "
+                            "pass one")
+    if on_nonfinite not in get_args(OnNonFinite):
+        raise ValueError(f"pipeline() 'on_nonfinite' must be 'raise' or 'skip' "
+                         f"(got {on_nonfinite!r})")
+    env = envs[0] if envs else detect()
+    _check(transforms, env)
+    steps = [Step(t) for t in transforms] + _defaults(env, transforms)
+    steps.sort(key=lambda s: s.transform.stage)  # stable: user order kept within a stage
+    return Pipeline(env=env, steps=tuple(steps), on_nonfinite=on_nonfinite)

@@ -1,0 +1,180 @@
+# The training step: forward, backward, sync, clip, optimizer and scheduler step, zero_grad.
+"""The step behind ``Bundle.step``; everything that can be decided once is decided here."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.data import DeviceLoader, to_device
+from shardwise.errors import LossError, NonFiniteError, OptimizerError
+from shardwise.state import StepOutput, TrainState
+from shardwise.transforms.mixed_precision import autocast_factory
+
+if TYPE_CHECKING:
+    from shardwise.bundle import Bundle, OnNonFinite
+
+__all__ = ["Stepper"]
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, torch.Tensor) and out.ndim == 0:
+        loss = out
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(
+            f"could not find a loss in the model's output of type {type(out).__name__}: "
+            "the step looks for out.loss, out['loss'] or a scalar tensor; pass "
+            "loss_fn=lambda model, batch: ... to the pipeline call")
+    return loss
+
+
+class Stepper:
+    """Runs ``Bundle.step``; built once per bundle, on the first step."""
+
+    def __init__(self, bundle: Bundle) -> None:
+        if bundle.optimizer is None:
+            raise OptimizerError("step() needs an optimizer: pass one to the pipeline call")
+        plan, env = bundle.plan, bundle.env
+        self.model, self.optimizer = bundle.model, bundle.optimizer
+        self.scheduler, self.scaler, self.loss_fn = bundle.scheduler, bundle.scaler, bundle.loss_fn
+        self.plan = plan
+        self.window = plan.accumulation_steps
+        self.autocast = autocast_factory(plan.precision, env.device)
+        self.ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
+        self.static_graph = bool(self.ddp is not None and self.ddp.static_graph)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.device = env.device
+        # gradients arrive averaged over ranks when a wrapper synchronises them
+        self.ranks = env.world_size if env.is_distributed and dist.is_initialized() else 1
+        self.loader = bundle.loader if isinstance(bundle.loader, DeviceLoader) else None
+        self.move = bundle.loader is None and env.device.type != "cpu"
+        self.items: torch.Tensor | None = None  # items counted in this window (token-weighted)
+        self.weighted: bool | None = None  # whether this window's losses are (sum, count)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """The loss, and the item count when the loss is a sum."""
+        if self.loss_fn is not None:
+            result = self.loss_fn(self.model, batch)
+            if isinstance(result, tuple):
+                if len(result) != 2:
+                    raise LossError(f"loss_fn returned a tuple of {len(result)}; return a "
+                                    "scalar loss, or (loss_sum, num_items)")
+                return result[0], result[1]
+            return _loss_of(result), None
+        if isinstance(batch, Mapping):
+            out = self.model(**batch)
+        elif isinstance(batch, (tuple, list)):
+            out = self.model(*batch)
+        else:
+            out = self.model(batch)
+        return _loss_of(out), None
+
+    def backward(self, batch: Any) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns the loss to report."""
+        if self.autocast is None:
+            loss, items = self.forward(batch)
+        else:
+            with self.autocast():
+                loss, items = self.forward(batch)
+        weighted = items is not None
+        if self.weighted is None:
+            self.weighted = weighted
+        elif self.weighted != weighted:
+            raise LossError("loss_fn returned (loss_sum, num_items) for some micro-batches of a "
+                            "window and a plain loss for others; return one form always")
+        if weighted:
+            count = torch.as_tensor(items, dtype=torch.float64, device=loss.device)
+            self.items = count if self.items is None else self.items + count
+            report = loss.detach() / count
+        else:
+            report = loss.detach()
+            if self.window > 1:
+                loss = loss / self.window
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+        return report
+
+    def normalise(self) -> None:
+        """Divide summed gradients by the items of the whole window on all ranks."""
+        total = self.items
+        assert total is not None
+        if self.ranks > 1:
+            dist.all_reduce(total)
+        factor = (self.ranks / total).to(torch.float32)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._foreach_mul_(grads, factor)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The total gradient norm (before clipping), clipping when the plan says so."""
+        plan = self.plan
+        if plan.max_grad_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(self.params, plan.max_grad_norm,
+                                                  norm_type=plan.norm_type)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, norm_type=plan.norm_type)
+
+    def update(self, state: TrainState, on_nonfinite: OnNonFinite) -> tuple[torch.Tensor, bool]:
+        """Finish the window: normalise, unscale, clip, step. Returns (norm, skipped)."""
+        optimizer = self.optimizer
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        if self.weighted:
+            self.normalise()
+        self.items, self.weighted = None, None
+        norm = self.grad_norm()
+        finite = bool(torch.isfinite(norm))  # the one host sync of an optimizer step
+        skipped = not finite
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        elif finite:
+            optimizer.step()
+        elif on_nonfinite == "raise":
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(
+                f"non-finite gradient norm ({norm.item()}) at optimizer step {state.step + 1} "
+                f"(micro-step {state.micro_step + 1}); pass on_nonfinite='skip' to skip such "
+                "steps, or lower the learning rate / add clip_gradients")
+        if not skipped and self.scheduler is not None:
+            self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm, skipped
+
+    def sync_context(self, state: TrainState, boundary: bool) -> Callable[[], Any] | None:
+        if self.ddp is None or boundary:
+            return None
+        if self.static_graph and state.micro_step == 0:
+            return None  # DDP's static graph must see one synchronised iteration first
+        return self.ddp.no_sync
+
+    def step(self, state: TrainState, batch: Any,
+             on_nonfinite: OnNonFinite | None) -> tuple[TrainState, StepOutput]:
+        micro = state.micro_step + 1
+        boundary = micro % self.window == 0
+        if self.move:
+            batch = to_device(batch, self.device)
+        no_sync = self.sync_context(state, boundary)
+        with no_sync() if no_sync is not None else contextlib.nullcontext():
+            loss = self.backward(batch)
+        norm, skipped, steps = None, False, state.step
+        if boundary:
+            norm, skipped = self.update(state, on_nonfinite or self.plan.on_nonfinite)
+            steps += 1
+        loader = self.loader
+        next_state = TrainState(
+            step=steps, micro_step=micro,
+            epoch=loader.epoch if loader is not None else state.epoch,
+            batch_in_epoch=loader.batch_in_epoch if loader is not None else state.batch_in_epoch + 1,
+            skipped_steps=state.skipped_steps + skipped)
+        lr = self.optimizer.param_groups[0].get("lr")
+        return next_state, StepOutput(loss=loss, grad_norm=norm, stepped=boundary and not skipped,
+                                      lr=lr)

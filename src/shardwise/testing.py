@@ -1,0 +1,224 @@
+# Test helpers shipped with the package: real multi-process runs on CPU, tiny models, data.
+"""Helpers to test pipelines for real: spawn N ranks, compare runs, tiny models.
+
+Example:
+    >>> def train(n):
+    ...     bundle = sw.pipeline(sw.detect())(TinyMLP(), ...)
+    ...     return n * 2
+    >>> run_distributed(train, 3, world_size=2)
+    [6, 6]
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_module
+import socket
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from shardwise.errors import RankFailedError
+
+__all__ = [
+    "run_distributed", "free_port", "max_param_diff", "TinyMLP", "TinyTransformerLM",
+    "TinyDecoderBlock", "SyntheticTokens", "SyntheticRegression",
+]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int,
+               port: int, backend: str, queue: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+        # by value: shared-memory tensors would vanish when this process exits
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+        os._exit(1)  # do not wait at an exit barrier the other ranks may never reach
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2,
+                    backend: str = "gloo", timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(*args)`` in ``world_size`` fresh processes on CPU and return each rank's result.
+
+    Each process gets torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, ...,
+    MASTER_ADDR=127.0.0.1 and a free MASTER_PORT), so ``sw.detect()`` inside ``fn`` sees a
+    ``world_size``-rank job; the pipeline joins the ``backend`` group. ``fn`` and its
+    results must pickle (define ``fn`` at module level).
+
+    Returns:
+        The results, indexed by rank.
+
+    Raises:
+        RankFailedError: a rank raised (its traceback is in the message) or the run took
+            longer than ``timeout`` seconds (every rank is then killed).
+    """
+    if backend != "gloo":
+        raise ValueError(f"run_distributed() runs CPU ranks on 'gloo' (got backend={backend!r})")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world_size, port, backend, queue),
+                         daemon=True) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=timeout)
+            except queue_module.Empty:
+                raise RankFailedError(
+                    f"run_distributed({fn.__name__}) timed out after {timeout} s; ranks "
+                    f"{sorted(set(range(world_size)) - set(results))} did not finish") from None
+            if not ok:
+                raise RankFailedError(f"rank {rank} of {world_size} failed:\n{value}")
+            results[rank] = pickle.loads(value)
+        for proc in procs:
+            proc.join(timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    return [results[r] for r in range(world_size)]
+
+
+def max_param_diff(a: nn.Module | Mapping[str, torch.Tensor],
+                   b: nn.Module | Mapping[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two models' (or state dicts') parameters.
+
+    Raises:
+        ValueError: the two hold different names or shapes.
+    """
+    sa = a.state_dict() if isinstance(a, nn.Module) else a
+    sb = b.state_dict() if isinstance(b, nn.Module) else b
+    if sa.keys() != sb.keys():
+        raise ValueError(f"the two hold different names: {sorted(set(sa) ^ set(sb))}")
+    worst = 0.0
+    for key in sa:
+        x, y = sa[key].detach().float().cpu(), sb[key].detach().float().cpu()
+        if x.shape != y.shape:
+            raise ValueError(f"{key!r} has shape {tuple(x.shape)} and {tuple(y.shape)}")
+        worst = max(worst, (x - y).abs().max().item() if x.numel() else 0.0)
+    return worst
+
+
+class TinyMLP(nn.Module):
+    """Two linear layers; ``forward(x, y)`` returns the MSE loss when ``y`` is given."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16, out: int = 1) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, out)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
+        pred = self.fc2(torch.relu(self.fc1(x)))
+        if y is None:
+            return pred
+        return nn.functional.mse_loss(pred, y)
+
+
+class TinyDecoderBlock(nn.Module):
+    """A pre-norm causal self-attention + MLP block."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        # no projection biases: the key bias has no true gradient, and Adam would amplify its noise
+        self.attn = nn.MultiheadAttention(dim, heads, bias=False, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=1)
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyTransformerLM(nn.Module):
+    """A decoder-only language model; ``forward(input_ids, labels=None)`` returns a dict.
+
+    With ``labels`` the dict holds ``loss`` (mean next-token cross-entropy) and ``logits``.
+    """
+
+    def __init__(self, vocab: int = 32, dim: int = 32, heads: int = 2, layers: int = 2,
+                 max_len: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.layers = nn.ModuleList(TinyDecoderBlock(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor,
+                labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(positions)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        return out
+
+
+class SyntheticTokens(Dataset[dict[str, torch.Tensor]]):
+    """Sequences that count up modulo ``vocab`` from a random start: learnable, deterministic.
+
+    Items are ``{"input_ids", "labels"}`` with labels the next tokens.
+    """
+
+    def __init__(self, size: int = 256, seq_len: int = 16, vocab: int = 32, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, vocab, (size, 1), generator=gen)
+        seq = (starts + torch.arange(seq_len + 1)) % vocab
+        self.inputs, self.labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.inputs[i], "labels": self.labels[i]}
+
+
+class SyntheticRegression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``(x, y)`` pairs with ``y = sin(x @ w)``: for :class:`TinyMLP`."""
+
+    def __init__(self, size: int = 256, dim: int = 8, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, dim, generator=gen)
+        w = torch.randn(dim, 1, generator=gen) / math.sqrt(dim)
+        self.y = torch.sin(self.x @ w)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]

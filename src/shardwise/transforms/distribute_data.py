@@ -1,0 +1,80 @@
+# distribute_data(): each rank reads its share of the data, batches arrive on the device.
+"""Data distribution (added by the pipeline when a loader is given)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from shardwise.bundle import Bundle
+from shardwise.data import DeviceLoader, shard_loader
+from shardwise.env import Env
+from shardwise.errors import DataError
+from shardwise.transforms.base import Stage, Transform
+
+__all__ = ["DistributeData", "distribute_data"]
+
+
+@attrs.frozen(repr=False)
+class DistributeData(Transform):
+    """See :func:`distribute_data`."""
+
+    non_blocking: bool = True
+    pin_memory: bool | None = None
+    seed: int = 0
+    stage: ClassVar[Stage] = Stage.DATA
+    factory_name: ClassVar[str] = "distribute_data"
+
+    def pins(self, env: Env) -> bool:
+        """Whether batches are pinned: by default only where CUDA is the device."""
+        cuda = env.device.type == "cuda"
+        if self.pin_memory and not cuda:
+            raise DataError(f"{self!r}: pinned memory needs a CUDA device, this env has "
+                            f"{env.device}; leave pin_memory=None")
+        return cuda if self.pin_memory is None else self.pin_memory
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        bundle = self._record(bundle)
+        if bundle.loader is None:
+            return bundle
+        env = bundle.env
+        loader = shard_loader(bundle.loader, env, seed=self.seed, pin_memory=self.pins(env))
+        return attrs.evolve(bundle, loader=DeviceLoader(loader, env.device,
+                                                        non_blocking=self.non_blocking))
+
+    def describe(self, env: Env) -> str:
+        share = (f"DistributedSampler: each of {env.world_size} ranks reads 1/{env.world_size}"
+                 if env.is_distributed else "sampler order fixed by seed")
+        if env.device.type == "cpu":
+            move = "batches stay on the CPU (no transfer)"
+        else:
+            move = (f"batches moved to {env.device} in one TensorDict call"
+                    f"{', pinned' if self.pins(env) else ''}"
+                    f"{', non_blocking' if self.non_blocking else ''}")
+        return f"{share}, seed {self.seed}, set_epoch every epoch; {move}"
+
+
+def distribute_data(*, non_blocking: bool = True, pin_memory: bool | None = None,
+                    seed: int = 0) -> DistributeData:
+    """Give each rank its share of the loader's data and deliver batches on the device.
+
+    The loader is rebuilt around a ``DistributedSampler`` with the user's batch_size,
+    shuffle, drop_last, collate_fn, num_workers and the rest; ``set_epoch`` is called every
+    epoch. Batches are moved in one ``TensorDict`` call and come back in the user's structure.
+    The pipeline adds it with defaults when a loader is given.
+
+    Args:
+        non_blocking: asynchronous host-to-device copies.
+        pin_memory: pin host batches; ``None`` pins only on CUDA.
+        seed: the shuffling seed, the same on every rank.
+
+    Example:
+        >>> bundle = sw.pipeline(sw.distribute_data(seed=1))(model, optimizer, loader)
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"distribute_data() 'seed' must be an int (got {seed!r})")
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise TypeError(f"distribute_data() 'pin_memory' must be True, False or None "
+                        f"(got {pin_memory!r})")
+    return DistributeData(bool(non_blocking), pin_memory, seed)

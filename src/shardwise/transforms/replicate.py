@@ -1,0 +1,95 @@
+# replicate(): data parallelism with torch's DistributedDataParallel.
+"""Replication on DDP."""
+
+from __future__ import annotations
+
+import inspect
+from typing import ClassVar
+
+import attrs
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise._params import param_names, rebind_optimizer, refuse_state
+from shardwise.bundle import Bundle
+from shardwise.distributed import ensure_process_group
+from shardwise.env import Env
+from shardwise.errors import ConflictError
+from shardwise.transforms.base import Stage, Transform
+
+__all__ = ["Replicate", "replicate"]
+
+# torch 2.13 renamed DDP's per-forward buffer sync; older releases only know broadcast_buffers
+_BUFFERS_ARG = ("forward_sync_buffers"
+                if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                else "broadcast_buffers")
+
+
+@attrs.frozen(repr=False)
+class Replicate(Transform):
+    """See :func:`replicate`."""
+
+    bucket_mb: float = 25
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = True
+    broadcast_buffers: bool = True
+    stage: ClassVar[Stage] = Stage.DISTRIBUTION
+    factory_name: ClassVar[str] = "replicate"
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        bundle = self._record(bundle)
+        env, model = bundle.env, bundle.model
+        if not env.is_distributed:
+            return bundle
+        if isinstance(model, DistributedDataParallel):
+            raise ConflictError(f"{self!r}: the model is already a DistributedDataParallel; "
+                                "pass the bare module")
+        refuse_state(bundle.optimizer)
+        ensure_process_group(env)
+        names = param_names(model)
+        model.to(env.device)  # DDP is built on a module that is already on its device
+        wrapped = DistributedDataParallel(
+            model,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            bucket_cap_mb=self.bucket_mb,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            **{_BUFFERS_ARG: self.broadcast_buffers},
+        )
+        rebind_optimizer(bundle.optimizer, names, wrapped)
+        return attrs.evolve(bundle, model=wrapped)
+
+    def describe(self, env: Env) -> str:
+        if not env.is_distributed:
+            return "one process: no wrapper, nothing to synchronise"
+        return (f"DistributedDataParallel over {env.world_size} ranks ({env.backend}), "
+                f"{self.bucket_mb} MB buckets; rank 0's weights broadcast at start")
+
+
+def replicate(*, bucket_mb: float = 25, find_unused_parameters: bool = False,
+              static_graph: bool = False, gradient_as_bucket_view: bool = True,
+              broadcast_buffers: bool = True) -> Replicate:
+    """Replicate the model on every rank and average gradients with ``DistributedDataParallel``.
+
+    In one process it is a no-op (no wrapper). The module is wrapped in place; the bundle's
+    optimizer keeps its object and param groups. Arguments are DDP's (``bucket_mb`` is
+    ``bucket_cap_mb``; Transformers' ``ddp_bucket_cap_mb``, ``ddp_find_unused_parameters``,
+    ``ddp_broadcast_buffers`` map onto them).
+
+    Raises:
+        ValueError: ``bucket_mb`` is not a positive number.
+
+    Example:
+        >>> bundle = sw.pipeline(sw.replicate(bucket_mb=50))(model, optimizer, loader)
+    """
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+        raise ValueError(f"replicate() 'bucket_mb' must be a number > 0 (got {bucket_mb!r})")
+    for name, value in (("find_unused_parameters", find_unused_parameters),
+                        ("static_graph", static_graph),
+                        ("gradient_as_bucket_view", gradient_as_bucket_view),
+                        ("broadcast_buffers", broadcast_buffers)):
+        if not isinstance(value, bool):
+            raise TypeError(f"replicate() '{name}' must be a bool (got {value!r})")
+    return Replicate(bucket_mb, find_unused_parameters, static_graph, gradient_as_bucket_view,
+                     broadcast_buffers)

@@ -1,0 +1,89 @@
+# distribute_data in one process: structure-preserving transfer, loader settings, refusals.
+import collections
+
+import pytest
+import torch
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    WeightedRandomSampler,
+)
+
+import shardwise as sw
+from shardwise.data import DeviceLoader, shard_loader
+from shardwise.errors import DataError
+from shardwise.testing import SyntheticRegression
+
+TWO = sw.Env(world_size=2, rank=1, local_world_size=2)
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_to_device_moves_every_tensor_and_keeps_the_structure():
+    batch = {"x": torch.ones(2), "nested": {"t": (torch.zeros(1), 3, "s")},
+             "pair": Pair(torch.ones(1), [torch.ones(3)])}
+    moved = sw.to_device(batch, torch.device("meta"))
+    assert moved["x"].device.type == "meta"
+    assert moved["nested"]["t"][0].device.type == "meta" and moved["nested"]["t"][1:] == (3, "s")
+    assert isinstance(moved["pair"], Pair) and moved["pair"].b[0].device.type == "meta"
+    assert batch["x"].device.type == "cpu"
+
+
+def test_device_loader_on_cpu_hands_batches_through_untouched():
+    batches = [(torch.ones(2), torch.zeros(2))]
+    loader = DeviceLoader(batches, torch.device("cpu"))
+    assert next(iter(loader))[0] is batches[0][0]
+
+
+def test_device_loader_moves_batches_when_the_device_is_not_the_cpu():
+    loader = DeviceLoader([{"x": torch.ones(2)}], torch.device("meta"))
+    assert next(iter(loader))["x"].device.type == "meta"
+
+
+def test_shard_loader_keeps_the_users_settings():
+    def collate(items):
+        return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+    loader = DataLoader(SyntheticRegression(size=10), batch_size=3, shuffle=True, drop_last=True,
+                        collate_fn=collate)
+    sharded = shard_loader(loader, TWO, seed=7)
+    assert isinstance(sharded, DataLoader)
+    sampler = sharded.sampler
+    assert isinstance(sampler, DistributedSampler)
+    assert (sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed) == (2, 1, True, 7)
+    assert (sharded.batch_size, sharded.drop_last, sharded.collate_fn) == (3, True, collate)
+    assert len(sharded) == 1  # 5 samples on this rank, batches of 3, last dropped
+    sequential = shard_loader(DataLoader(SyntheticRegression(size=10), batch_size=2), TWO)
+    assert sequential.sampler.shuffle is False
+
+
+def test_a_loader_with_its_own_distributed_sampler_is_kept():
+    data = SyntheticRegression(size=8)
+    loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, 2, 1))
+    assert shard_loader(loader, TWO) is loader
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield torch.ones(1)
+
+
+@pytest.mark.parametrize("loader, message", [
+    ([1, 2], "is a list, not a torch DataLoader"),
+    (DataLoader(Stream()), "IterableDataset (Stream)"),
+    (DataLoader(SyntheticRegression(size=4), sampler=WeightedRandomSampler([1.0] * 4, 4)),
+     "sampler is a WeightedRandomSampler"),
+    (DataLoader(SyntheticRegression(size=4),
+                sampler=RandomSampler(range(4), replacement=True)), "draws with replacement"),
+])
+def test_loaders_that_cannot_be_split_are_refused(loader, message):
+    with pytest.raises(DataError) as info:
+        shard_loader(loader, TWO)
+    assert message in str(info.value)
+
+
+def test_pin_memory_without_cuda_is_refused():
+    with pytest.raises(DataError, match="pinned memory needs a CUDA device"):
+        sw.pipeline(sw.Env(), sw.distribute_data(pin_memory=True))(
+            torch.nn.Linear(1, 1), None, DataLoader(SyntheticRegression(size=4)))

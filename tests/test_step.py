@@ -1,0 +1,205 @@
+# Bundle.step in one process: loss forms, accumulation, token weighting, clipping, precision.
+import collections
+import copy
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import shardwise as sw
+from shardwise.errors import LossError, NonFiniteError, OptimizerError
+from shardwise.testing import SyntheticRegression, TinyMLP, TinyTransformerLM, max_param_diff
+
+ONE = sw.Env()
+
+
+def mlp_and_sgd(seed=0, lr=0.1):
+    torch.manual_seed(seed)
+    model = TinyMLP()
+    return model, torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def test_loss_forms_attribute_mapping_scalar_and_loss_fn():
+    Out = collections.namedtuple("Out", "loss logits")
+
+    class AttrModel(TinyMLP):
+        def forward(self, x, y):
+            return Out(super().forward(x, y), None)
+
+    class DictModel(TinyMLP):
+        def forward(self, x, y):
+            return {"loss": super().forward(x, y)}
+
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    losses = []
+    for cls, batch in ((AttrModel, (x, y)), (DictModel, [x, y]), (TinyMLP, {"x": x, "y": y})):
+        torch.manual_seed(0)
+        model = cls()
+        bundle = sw.pipeline(ONE)(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        losses.append(bundle.step(bundle.init(), batch)[1].loss)
+    torch.manual_seed(0)
+    model = TinyMLP()
+    bundle = sw.pipeline(ONE)(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    losses.append(bundle.step(bundle.init(), (x, y))[1].loss)
+    assert all(torch.equal(losses[0], other) for other in losses[1:])
+
+
+def test_missing_loss_says_to_pass_loss_fn():
+    model, opt = mlp_and_sgd()
+    bundle = sw.pipeline(ONE)(model, opt)
+    with pytest.raises(LossError, match="output of type Tensor.*pass loss_fn="):
+        bundle.step(bundle.init(), torch.randn(4, 8))
+    assert isinstance(LossError("x"), TypeError)
+
+
+def test_step_without_optimizer_is_refused():
+    bundle = sw.pipeline(ONE)(TinyMLP())
+    with pytest.raises(OptimizerError, match="step\\(\\) needs an optimizer"):
+        bundle.step(bundle.init(), (torch.randn(2, 8), torch.randn(2, 1)))
+
+
+def test_accumulation_equals_one_step_on_the_concatenated_window():
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(8)]
+    model, opt = mlp_and_sgd()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    bundle = sw.pipeline(ONE, sw.accumulate_gradients(4))(model, opt)
+    state = bundle.init()
+    stepped = []
+    for batch in data:
+        state, out = bundle.step(state, batch)
+        stepped.append(out.stepped)
+    assert stepped == [False, False, False, True] * 2
+    assert (state.step, state.micro_step) == (2, 8)
+    for w in range(2):
+        x = torch.cat([b[0] for b in data[4 * w:4 * w + 4]])
+        y = torch.cat([b[1] for b in data[4 * w:4 * w + 4]])
+        ref(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert max_param_diff(model, ref) <= 1e-6
+
+
+def token_loss(model, batch):
+    """Sum of cross-entropy over labelled tokens, and their count."""
+    logits = model(batch["input_ids"])["logits"]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                             ignore_index=-100, reduction="sum")
+    return loss, (batch["labels"] != -100).sum()
+
+
+def test_token_weighted_loss_over_uneven_micro_batches_equals_the_whole_window():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (6, 10))
+    labels = ids.roll(-1, 1).clone()
+    labels[torch.rand(labels.shape) < 0.5] = -100  # uneven counts per micro-batch
+    micro = [{"input_ids": ids[i:i + 2], "labels": labels[i:i + 2]} for i in (0, 2, 4)]
+    assert len({int((m["labels"] != -100).sum()) for m in micro}) > 1
+    torch.manual_seed(1)
+    model = TinyTransformerLM()
+    ref = copy.deepcopy(model)
+    bundle = sw.pipeline(ONE, sw.accumulate_gradients(3))(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn=token_loss)
+    state = bundle.init()
+    for batch in micro:
+        state, out = bundle.step(state, batch)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    total, count = token_loss(ref, {"input_ids": ids, "labels": labels})
+    (total / count).backward()
+    ref_opt.step()
+    assert max_param_diff(model, ref) <= 1e-6
+    # a per-micro-batch mean would differ: the check can fail
+    assert out.stepped and out.grad_norm is not None
+
+
+def test_clip_gradients_clips_and_returns_the_norm_before():
+    model, opt = mlp_and_sgd(lr=1.0)
+    ref = copy.deepcopy(model)
+    batch = (torch.randn(16, 8) * 10, torch.randn(16, 1) * 10)
+    bundle = sw.pipeline(ONE, sw.clip_gradients(0.01))(model, opt)
+    _, out = bundle.step(bundle.init(), batch)
+    ref(*batch).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    assert out.grad_norm is not None and torch.allclose(out.grad_norm, expected)
+    assert expected > 0.01
+    assert max_param_diff(model, ref) <= 1e-6
+
+
+def nan_batch():
+    return torch.full((4, 8), float("nan")), torch.zeros(4, 1)
+
+
+def test_non_finite_raises_naming_the_step_by_default():
+    model, opt = mlp_and_sgd()
+    bundle = sw.pipeline(ONE)(model, opt)
+    state, _ = bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)))
+    with pytest.raises(NonFiniteError, match="at optimizer step 2 .micro-step 2.*on_nonfinite='skip'"):
+        bundle.step(state, nan_batch())
+
+
+@pytest.mark.parametrize("where", ["pipeline", "step"])
+def test_non_finite_skip_counts_and_leaves_weights(where):
+    model, opt = mlp_and_sgd()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    pipe = sw.pipeline(ONE, on_nonfinite="skip" if where == "pipeline" else "raise")
+    bundle = pipe(model, opt, scheduler=sched)
+    before = copy.deepcopy(model)
+    kwargs = {"on_nonfinite": "skip"} if where == "step" else {}
+    state, out = bundle.step(bundle.init(), nan_batch(), **kwargs)
+    assert (state.step, state.skipped_steps, out.stepped) == (1, 1, False)
+    assert max_param_diff(model, before) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+    assert out.lr == 0.1  # the scheduler did not step either
+    state, out = bundle.step(state, (torch.randn(4, 8), torch.randn(4, 1)))
+    assert out.stepped and out.lr == 0.05 and state.skipped_steps == 1
+
+
+def test_bf16_trains_under_autocast_and_keeps_fp32_master_weights():
+    torch.manual_seed(0)
+    model = TinyTransformerLM()
+    ref = copy.deepcopy(model)
+    seen = []
+    model.head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    loader = DataLoader(sw.testing.SyntheticTokens(size=64), batch_size=8, shuffle=True)
+    bundle = sw.pipeline(ONE, sw.mixed_precision("bf16"))(
+        model, torch.optim.AdamW(model.parameters(), lr=3e-3), loader)
+    state, losses = bundle.init(), []
+    for batch in bundle.loader:
+        state, out = bundle.step(state, batch)
+        losses.append(out.loss.item())
+    assert seen[0] == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in bundle.optimizer.state.values())
+    assert losses[-1] < losses[0]
+    assert max_param_diff(model, ref) > 0
+
+
+def test_two_param_groups_keep_their_hyperparameters():
+    model = TinyMLP()
+    decay = [model.fc1.weight, model.fc2.weight]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": [model.fc1.bias, model.fc2.bias], "weight_decay": 0.0}],
+                            lr=1e-3)
+    bundle = sw.pipeline(ONE)(model, opt)
+    assert bundle.optimizer is opt
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert opt.param_groups[0]["params"][0] is bundle.model.fc1.weight
+
+
+def test_state_follows_the_loader_epochs_and_is_new_each_step():
+    model, opt = mlp_and_sgd()
+    loader = DataLoader(SyntheticRegression(size=24), batch_size=8, shuffle=True)
+    bundle = sw.pipeline(ONE)(model, opt, loader)
+    state = first = bundle.init()
+    seen = []
+    for _ in range(2):
+        for batch in bundle.loader:
+            new, _ = bundle.step(state, batch)
+            assert new is not state
+            state = new
+            seen.append((state.epoch, state.batch_in_epoch))
+    assert seen == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert first == sw.TrainState() and state.step == 6
+    assert sw.TrainState.from_dict(state.to_dict()) == state

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -23,11 +23,11 @@ __all__ = ["Stepper"]
 
 
 def _loss_of(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor) and out.ndim == 0:
+        return out
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, Mapping):
         loss = out.get("loss")
-    if loss is None and isinstance(out, torch.Tensor) and out.ndim == 0:
-        loss = out
     if not isinstance(loss, torch.Tensor):
         raise LossError(
             f"could not find a loss in the model's output of type {type(out).__name__}: "
@@ -58,6 +58,8 @@ class Stepper:
         self.move = bundle.loader is None and env.device.type != "cpu"
         self.items: torch.Tensor | None = None  # items counted in this window (token-weighted)
         self.weighted: bool | None = None  # whether this window's losses are (sum, count)
+        self.found_inf = torch.zeros(1, device=env.device)  # for the fused finiteness check
+        self.unit = torch.ones(1, device=env.device)
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """The loss, and the item count when the loss is a sum."""
@@ -93,7 +95,7 @@ class Stepper:
         if weighted:
             count = torch.as_tensor(items, dtype=torch.float64, device=loss.device)
             self.items = count if self.items is None else self.items + count
-            report = loss.detach() / count
+            report = loss.detach() / count.to(loss.dtype)
         else:
             report = loss.detach()
             if self.window > 1:
@@ -113,16 +115,29 @@ class Stepper:
         grads = [p.grad for p in self.params if p.grad is not None]
         torch._foreach_mul_(grads, factor)
 
-    def grad_norm(self) -> torch.Tensor:
-        """The total gradient norm (before clipping), clipping when the plan says so."""
+    def check_grads(self) -> tuple[torch.Tensor | None, bool]:
+        """Clip when the plan says so; return (norm before clipping or None, all finite).
+
+        Without clipping only finiteness is needed, and torch's fused check (the one
+        GradScaler uses, with a scale of 1) gives it in one call. Reading the flag is the one
+        host sync of an optimizer step; every rank reads the same synchronised gradients, so
+        all ranks agree.
+        """
         plan = self.plan
         if plan.max_grad_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(self.params, plan.max_grad_norm,
+            norm = torch.nn.utils.clip_grad_norm_(self.params, plan.max_grad_norm,
                                                   norm_type=plan.norm_type)
+            return norm, math.isfinite(norm.item())
         grads = [p.grad for p in self.params if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads, norm_type=plan.norm_type)
+        if not grads:
+            return None, True
+        found_inf = self.found_inf
+        found_inf.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self.unit)
+        return None, found_inf.item() == 0
 
-    def update(self, state: TrainState, on_nonfinite: OnNonFinite) -> tuple[torch.Tensor, bool]:
+    def update(self, state: TrainState,
+               on_nonfinite: OnNonFinite) -> tuple[torch.Tensor | None, bool]:
         """Finish the window: normalise, unscale, clip, step. Returns (norm, skipped)."""
         optimizer = self.optimizer
         if self.scaler is not None:
@@ -130,8 +145,7 @@ class Stepper:
         if self.weighted:
             self.normalise()
         self.items, self.weighted = None, None
-        norm = self.grad_norm()
-        finite = bool(torch.isfinite(norm))  # the one host sync of an optimizer step
+        norm, finite = self.check_grads()
         skipped = not finite
         if self.scaler is not None:
             self.scaler.step(optimizer)
@@ -141,7 +155,7 @@ class Stepper:
         elif on_nonfinite == "raise":
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
-                f"non-finite gradient norm ({norm.item()}) at optimizer step {state.step + 1} "
+                f"non-finite gradients at optimizer step {state.step + 1} "
                 f"(micro-step {state.micro_step + 1}); pass on_nonfinite='skip' to skip such "
                 "steps, or lower the learning rate / add clip_gradients")
         if not skipped and self.scheduler is not None:
@@ -163,8 +177,11 @@ class Stepper:
         if self.move:
             batch = to_device(batch, self.device)
         no_sync = self.sync_context(state, boundary)
-        with no_sync() if no_sync is not None else contextlib.nullcontext():
+        if no_sync is None:
             loss = self.backward(batch)
+        else:
+            with no_sync():
+                loss = self.backward(batch)
         norm, skipped, steps = None, False, state.step
         if boundary:
             norm, skipped = self.update(state, on_nonfinite or self.plan.on_nonfinite)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 from torch.nn.parallel import DistributedDataParallel
@@ -48,6 +48,7 @@ class Replicate(Transform):
         ensure_process_group(env)
         names = param_names(model)
         model.to(env.device)  # DDP is built on a module that is already on its device
+        buffers: dict[str, Any] = {_BUFFERS_ARG: self.broadcast_buffers}
         wrapped = DistributedDataParallel(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -55,7 +56,7 @@ class Replicate(Transform):
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
-            **{_BUFFERS_ARG: self.broadcast_buffers},
+            **buffers,
         )
         rebind_optimizer(bundle.optimizer, names, wrapped)
         return attrs.evolve(bundle, model=wrapped)

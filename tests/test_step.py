@@ -214,3 +214,22 @@ def test_non_finite_gradient_with_a_finite_loss_is_caught():
     bundle = sw.pipeline(ONE)(model, opt, loss_fn=sqrt_at_zero)
     with pytest.raises(NonFiniteError, match="non-finite gradients at optimizer step 1"):
         bundle.step(bundle.init(), torch.randn(2, 8))
+
+
+def test_fp16_scaler_skips_overflowing_steps_and_counts_them():
+    # fp16 is refused on a CPU by default; an env that claims it exercises the scaler path
+    env = sw.Env(precisions=("fp32", "bf16", "fp16"))
+    model, opt = mlp_and_sgd(lr=1e-6)
+    bundle = sw.pipeline(env, sw.mixed_precision("fp16"))(model, opt)
+    assert bundle.scaler is not None and bundle.scaler.get_scale() == 2.0**16
+    batch = (torch.randn(64, 8) * 100, torch.randn(64, 1) * 100)
+    state, outs = bundle.init(), []
+    for _ in range(20):
+        state, out = bundle.step(state, batch)
+        outs.append(out.stepped)
+    skipped = outs.count(False)
+    assert skipped >= 1 and state.skipped_steps == skipped  # the first scales overflow fp16
+    assert bundle.scaler.get_scale() == 2.0**16 / 2**skipped
+    assert outs[-1] and all(p.dtype == torch.float32 for p in model.parameters())
+    state, out = bundle.step(state, (torch.full((4, 8), float("nan")), torch.zeros(4, 1)))
+    assert not out.stepped and state.skipped_steps == skipped + 1

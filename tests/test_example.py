@@ -1,0 +1,43 @@
+# The example script end to end: `python` and `torchrun --nproc_per_node=2`, as the README runs it.
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.testing import free_port
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+
+
+def run(cmd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, proc.stderr
+
+
+def losses(stdout):
+    return [float(x) for x in re.findall(r"loss (\d+\.\d+)", stdout)]
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_example_trains_and_the_loss_falls(procs):
+    args = [str(EXAMPLE), "--epochs", "2", "--log-every", "4"]
+    if procs == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", *args]
+    out, err = run(cmd)
+    found = losses(out)
+    assert len(found) >= 4 and found[-1] < 0.5 * found[0], out
+    assert f"on {procs} process(es)" in out
+    if procs == 2:
+        assert "DistributedDataParallel over 2 ranks (gloo)" in out
+        assert "(torchrun)" in out
+    assert "has NOT been destroyed" not in err and "Traceback" not in err, err

@@ -17,15 +17,20 @@ from shardwise.data import to_device
 from shardwise.distributed import ensure_process_group
 from shardwise.env import CONFIG_ENV_VAR, Env, detect
 from shardwise.pipeline import Pipeline, pipeline
+from shardwise.policies import auto, by_class, by_size
 from shardwise.state import StepOutput, TrainState
 from shardwise.transforms import (
     Transform,
     accumulate_gradients,
+    checkpoint_activations,
     clip_gradients,
     distribute_data,
     mixed_precision,
+    offload,
     place,
     replicate,
+    shard,
+    shard_optimizer,
 )
 
 try:
@@ -44,14 +49,21 @@ __all__ = [
     "Transform",
     "__version__",
     "accumulate_gradients",
+    "auto",
+    "by_class",
+    "by_size",
+    "checkpoint_activations",
     "clip_gradients",
     "detect",
     "distribute_data",
     "ensure_process_group",
     "errors",
     "mixed_precision",
+    "offload",
     "pipeline",
     "place",
     "replicate",
+    "shard",
+    "shard_optimizer",
     "to_device",
 ]

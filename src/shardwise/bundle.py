@@ -33,6 +33,9 @@ class Plan:
         max_grad_norm: clip the total gradient norm to this, or ``None``.
         norm_type: the p of the p-norm used for clipping.
         on_nonfinite: what a NaN/inf loss or gradient does in fp32/bf16.
+        offload: parameters, gradients and the optimizer step live on the CPU (needs shard).
+        autocast: the step runs the forward under autocast (off when FSDP2 casts parameters).
+        sync_each_batch: reduce gradients on every micro-batch, not only on a window's last.
         applied: the transforms applied so far, in order.
     """
 
@@ -41,12 +44,18 @@ class Plan:
     max_grad_norm: float | None = None
     norm_type: float = 2.0
     on_nonfinite: OnNonFinite = "raise"
+    offload: bool = False
+    autocast: bool = True
+    sync_each_batch: bool = False
     applied: tuple[Any, ...] = ()
 
 
 @attrs.frozen
 class Bundle:
     """Model, optimizer, loader and scheduler made ready for ``env``, with the step that trains them.
+
+    ``sharded_optimizer`` is the ZeRO-1 engine :func:`shardwise.shard_optimizer` adds; the
+    step drives it with the hyperparameters of ``optimizer``, which stays the user's object.
 
     A pipeline returns one; a transform takes one and returns a new one. The torch objects
     inside change in place where torch works that way (DDP wrapping, moving to a device):
@@ -67,6 +76,7 @@ class Bundle:
     plan: Plan = attrs.field(factory=Plan)
     loss_fn: LossFn | None = None
     scaler: torch.amp.GradScaler | None = None
+    sharded_optimizer: torch.optim.Optimizer | None = None
 
     def init(self) -> TrainState:
         """A fresh :class:`TrainState` at step 0."""

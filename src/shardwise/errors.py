@@ -17,6 +17,7 @@ __all__ = [
     "NonFiniteError",
     "DataError",
     "RankFailedError",
+    "PolicyError",
 ]
 
 
@@ -54,3 +55,7 @@ class DataError(ShardwiseError, ValueError):
 
 class RankFailedError(ShardwiseError, RuntimeError):
     """A rank started by :func:`shardwise.testing.run_distributed` failed or timed out."""
+
+
+class PolicyError(ShardwiseError, ValueError):
+    """A module-selection policy selected nothing in the model."""

@@ -17,8 +17,11 @@ from shardwise.errors import ConflictError
 from shardwise.transforms.base import Stage, Transform
 from shardwise.transforms.distribute_data import DistributeData, distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, check_precision, mixed_precision
+from shardwise.transforms.offload import Offload
 from shardwise.transforms.place import place
 from shardwise.transforms.replicate import replicate
+from shardwise.transforms.shard import Shard
+from shardwise.transforms.shard_optimizer import ShardOptimizer
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -65,6 +68,13 @@ def _check(parts: list[Transform], env: Env) -> None:
     for part in parts:
         if isinstance(part, MixedPrecision):
             check_precision(part.precision, env, repr(part))
+        if isinstance(part, ShardOptimizer) and any(isinstance(p, Shard) for p in parts):
+            shard_part = next(p for p in parts if isinstance(p, Shard))
+            raise ConflictError(f"{part!r} and {shard_part!r}: shard() already shards optimizer "
+                                "state; use shard_optimizer() with replicate(), or drop it")
+        if isinstance(part, Offload) and part.cpu and not any(isinstance(p, Shard) for p in parts):
+            raise ConflictError(f"{part!r} needs shard(): FSDP2 carries out the offload. Add "
+                                "sw.shard() to the pipeline, or remove offload()")
 
 
 @attrs.frozen

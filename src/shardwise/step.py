@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.data import DeviceLoader, to_device
-from shardwise.errors import LossError, NonFiniteError, OptimizerError
+from shardwise.errors import ConflictError, LossError, NonFiniteError, OptimizerError
 from shardwise.state import StepOutput, TrainState
 from shardwise.transforms.mixed_precision import autocast_factory
 
@@ -36,6 +40,30 @@ def _loss_of(out: Any) -> torch.Tensor:
     return loss
 
 
+@contextlib.contextmanager
+def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (its shard under FSDP2)."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _copy_hyperparameters(source: torch.optim.Optimizer, engine: torch.optim.Optimizer) -> None:
+    """Give the sharded engine the user's current hyperparameters (a scheduler changes them)."""
+    for mine, theirs in zip(source.param_groups, engine.param_groups, strict=True):
+        for key, value in mine.items():
+            if key != "params":
+                theirs[key] = value
+    # the user's optimizer is the one an LR scheduler watches: it counts as stepped
+    source._opt_called = True  # type: ignore[attr-defined]
+
+
 class Stepper:
     """Runs ``Bundle.step``; built once per bundle, on the first step."""
 
@@ -44,13 +72,20 @@ class Stepper:
             raise OptimizerError("step() needs an optimizer: pass one to the pipeline call")
         plan, env = bundle.plan, bundle.env
         self.model, self.optimizer = bundle.model, bundle.optimizer
+        # the optimizer that steps: the user's, or the ZeRO-1 engine driven by its settings
+        self.engine = bundle.sharded_optimizer or bundle.optimizer
         self.scheduler, self.scaler, self.loss_fn = bundle.scheduler, bundle.scaler, bundle.loss_fn
         self.plan = plan
         self.window = plan.accumulation_steps
-        self.autocast = autocast_factory(plan.precision, env.device)
+        if plan.offload and not isinstance(self.model, FSDPModule) and env.is_distributed:
+            raise ConflictError("offload() is carried out by shard(): add sw.shard() to the "
+                                "pipeline, or remove offload()")
+        self.autocast = autocast_factory(plan.precision, env.device) if plan.autocast else None
         self.ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
+        self.fsdp = self.model if isinstance(self.model, FSDPModule) else None
         self.static_graph = bool(self.ddp is not None and self.ddp.static_graph)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)
         self.device = env.device
         # gradients arrive averaged over ranks when a wrapper synchronises them
         self.ranks = env.world_size if env.is_distributed and dist.is_initialized() else 1
@@ -58,8 +93,7 @@ class Stepper:
         self.move = bundle.loader is None and env.device.type != "cpu"
         self.items: torch.Tensor | None = None  # items counted in this window (token-weighted)
         self.weighted: bool | None = None  # whether this window's losses are (sum, count)
-        self.found_inf = torch.zeros(1, device=env.device)  # for the fused finiteness check
-        self.unit = torch.ones(1, device=env.device)
+        self.flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """The loss, and the item count when the loss is a sum."""
@@ -111,9 +145,9 @@ class Stepper:
         assert total is not None
         if self.ranks > 1:
             dist.all_reduce(total)
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
         factor = (self.ranks / total).to(torch.float32)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        torch._foreach_mul_(grads, factor)
+        torch._foreach_mul_(grads, factor.to(grads[0].device) if grads else factor)
 
     def check_grads(self) -> tuple[torch.Tensor | None, bool]:
         """Clip when the plan says so; return (norm before clipping or None, all finite).
@@ -127,31 +161,43 @@ class Stepper:
         if plan.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, plan.max_grad_norm,
                                                   norm_type=plan.norm_type)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
             return norm, math.isfinite(norm.item())
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        if not grads and not self.sharded:
             return None, True
-        found_inf = self.found_inf
+        device = grads[0].device if grads else self.device
+        if device not in self.flags:
+            self.flags[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        found_inf, unit = self.flags[device]
         found_inf.zero_()
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self.unit)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, unit)
+        if self.sharded:  # each rank saw only its shard: agree on the verdict
+            flag = found_inf.to(self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return None, flag.item() == 0
         return None, found_inf.item() == 0
 
     def update(self, state: TrainState,
                on_nonfinite: OnNonFinite) -> tuple[torch.Tensor | None, bool]:
         """Finish the window: normalise, unscale, clip, step. Returns (norm, skipped)."""
-        optimizer = self.optimizer
+        optimizer, engine = self.optimizer, self.engine
+        if engine is not optimizer:
+            _copy_hyperparameters(optimizer, engine)
         if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+            self.scaler.unscale_(engine)
         if self.weighted:
             self.normalise()
         self.items, self.weighted = None, None
         norm, finite = self.check_grads()
         skipped = not finite
         if self.scaler is not None:
-            self.scaler.step(optimizer)
+            self.scaler.step(engine)
             self.scaler.update()
         elif finite:
-            optimizer.step()
+            engine.step()
         elif on_nonfinite == "raise":
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -164,7 +210,12 @@ class Stepper:
         return norm, skipped
 
     def sync_context(self, state: TrainState, boundary: bool) -> Callable[[], Any] | None:
-        if self.ddp is None or boundary:
+        """The context that skips gradient reduction on this micro-batch, or None."""
+        if boundary or self.plan.sync_each_batch:
+            return None
+        if self.fsdp is not None:
+            return functools.partial(_fsdp_no_sync, self.fsdp)
+        if self.ddp is None:
             return None
         if self.static_graph and state.micro_step == 0:
             return None  # DDP's static graph must see one synchronised iteration first

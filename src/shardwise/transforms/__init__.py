@@ -3,14 +3,22 @@
 
 from shardwise.transforms.accumulate_gradients import AccumulateGradients, accumulate_gradients
 from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.checkpoint_activations import (
+    CheckpointActivations,
+    checkpoint_activations,
+)
 from shardwise.transforms.clip_gradients import ClipGradients, clip_gradients
 from shardwise.transforms.distribute_data import DistributeData, distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
+from shardwise.transforms.offload import Offload, offload
 from shardwise.transforms.place import Place, place
 from shardwise.transforms.replicate import Replicate, replicate
+from shardwise.transforms.shard import Shard, shard
+from shardwise.transforms.shard_optimizer import ShardOptimizer, shard_optimizer
 
 __all__ = [
-    "AccumulateGradients", "ClipGradients", "DistributeData", "MixedPrecision", "Place",
-    "Replicate", "Stage", "Transform", "accumulate_gradients", "clip_gradients",
-    "distribute_data", "mixed_precision", "place", "replicate",
+    "AccumulateGradients", "CheckpointActivations", "ClipGradients", "DistributeData",
+    "MixedPrecision", "Offload", "Place", "Replicate", "Shard", "ShardOptimizer", "Stage", "Transform",
+    "accumulate_gradients", "checkpoint_activations", "clip_gradients", "distribute_data",
+    "mixed_precision", "offload", "place", "replicate", "shard", "shard_optimizer",
 ]

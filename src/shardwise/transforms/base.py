@@ -19,14 +19,17 @@ class Stage(enum.IntEnum):
     """The canonical order. Settings first, so every later stage can read them from the plan;
     surgery before distribution, because wrappers (DDP, FSDP2) must see the final module tree;
     placement after distribution, because fully_shard places its own shards and DDP is built
-    on a module that ``replicate`` moved first; data last, as it needs the final env and device.
+    on a module that ``replicate`` moved first; the optimizer stage after placement, because
+    a sharded optimizer partitions parameters that must already be on their device; data
+    last, as it needs the final env and device.
     """
 
     SETTINGS = 1
     SURGERY = 2
     DISTRIBUTION = 3
     PLACEMENT = 4
-    DATA = 5
+    OPTIMIZER = 5
+    DATA = 6
 
 
 class Transform:

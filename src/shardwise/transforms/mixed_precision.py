@@ -9,13 +9,16 @@ from typing import ClassVar, get_args
 
 import attrs
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from shardwise.bundle import Bundle
 from shardwise.env import Env, Precision
 from shardwise.errors import PrecisionError
 from shardwise.transforms.base import Stage, Transform
 
-__all__ = ["MixedPrecision", "mixed_precision", "autocast_factory", "compute_dtype"]
+__all__ = [
+    "MixedPrecision", "mixed_precision", "autocast_factory", "compute_dtype", "fsdp_policy",
+]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,6 +39,14 @@ def autocast_factory(precision: Precision,
         return torch.autocast(kind, dtype=dtype)
 
     return context
+
+
+def fsdp_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``precision``: parameters cast for compute, reductions and master
+    weights in fp32 (no autocast needed)."""
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
 
 
 def check_precision(precision: str, env: Env, part: str) -> None:
@@ -65,8 +76,11 @@ class MixedPrecision(Transform):
     def describe(self, env: Env) -> str:
         if self.precision == "fp32":
             return "fp32 throughout"
+
         extra = "; fp16 loss scaling with GradScaler" if self.precision == "fp16" else ""
-        return f"forward under autocast({env.device.type}, {self.precision}); fp32 master weights{extra}"
+        return (f"forward under autocast({env.device.type}, {self.precision}), or under shard() "
+                f"FSDP2 parameters cast to {self.precision} with fp32 reductions; fp32 master "
+                f"weights{extra}")
 
 
 def mixed_precision(precision: Precision = "bf16") -> MixedPrecision:

@@ -1,0 +1,136 @@
+# Policies: which submodules a transform (shard, checkpoint_activations) applies to.
+"""Module-selection policies: :func:`auto`, :func:`by_class`, :func:`by_size`, or any callable.
+
+A policy is called as ``policy(qualified_name, module) -> bool``; the root (name ``""``)
+is never offered. Example:
+
+    >>> sw.shard(sw.by_class("LlamaDecoderLayer"))
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import attrs
+from torch import nn
+
+from shardwise.errors import PolicyError
+
+__all__ = ["Policy", "auto", "by_class", "by_size", "select", "candidate_blocks"]
+
+#: ``(qualified_name, module) -> bool``
+Policy = Callable[[str, nn.Module], bool]
+
+
+def candidate_blocks(model: nn.Module) -> list[str]:
+    """Class names of the repeated blocks inside the model's ``nn.ModuleList``s, most common first."""
+    counts: Counter[str] = Counter()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            counts.update(type(child).__name__ for child in module)
+    return [name for name, _ in counts.most_common()]
+
+
+@attrs.frozen
+class _Auto:
+    def __call__(self, name: str, module: nn.Module) -> bool:  # resolved per model by select()
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return "auto()"
+
+
+@attrs.frozen
+class _ByClass:
+    classes: tuple[str | type, ...]
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        for cls in self.classes:
+            if isinstance(cls, str) and type(module).__name__ == cls:
+                return True
+            if isinstance(cls, type) and isinstance(module, cls):
+                return True
+        return False
+
+    def __repr__(self) -> str:
+        shown = ", ".join(repr(c) if isinstance(c, str) else c.__name__ for c in self.classes)
+        return f"by_class({shown})"
+
+
+@attrs.frozen
+class _BySize:
+    min_params: int
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return sum(p.numel() for p in module.parameters()) >= self.min_params
+
+    def __repr__(self) -> str:
+        return f"by_size({self.min_params})"
+
+
+def auto() -> Policy:
+    """A Transformers model's ``_no_split_modules`` when present, else the repeated blocks of
+    its ``nn.ModuleList``s (e.g. the decoder layers)."""
+    return _Auto()
+
+
+def by_class(*classes: str | type) -> Policy:
+    """Modules of these classes; a string matches the class ``__name__`` ("LlamaDecoderLayer").
+
+    Raises:
+        TypeError: no class given, or something that is neither a string nor a class.
+    """
+    if not classes:
+        raise TypeError("by_class() needs at least one class or class name")
+    for cls in classes:
+        if not isinstance(cls, (str, type)):
+            raise TypeError(f"by_class() takes class names or classes (got {cls!r})")
+    return _ByClass(tuple(classes))
+
+
+def by_size(min_params: int) -> Policy:
+    """Modules holding at least ``min_params`` parameters (largest first, none nested twice).
+
+    Raises:
+        ValueError: ``min_params`` is not a positive integer.
+    """
+    if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1:
+        raise ValueError(f"by_size() 'min_params' must be an integer >= 1 (got {min_params!r})")
+    return _BySize(min_params)
+
+
+def _resolve(policy: Policy, model: nn.Module) -> Policy:
+    if not isinstance(policy, _Auto):
+        return policy
+    names = getattr(model, "_no_split_modules", None)
+    if names:
+        return _ByClass(tuple(names))
+    blocks = candidate_blocks(model)
+    return _ByClass((blocks[0],)) if blocks else _ByClass(("<no repeated blocks>",))
+
+
+def select(policy: Policy, model: nn.Module, *, user: str) -> list[tuple[str, nn.Module]]:
+    """The ``(name, module)`` pairs ``policy`` selects in ``model``, children before parents.
+
+    ``by_size`` keeps only the outermost modules it selects, so no parameter is counted twice.
+
+    Raises:
+        PolicyError: the policy selects nothing; the message lists the candidate block classes.
+    """
+    if not callable(policy):
+        raise TypeError(f"{user}: a policy must be auto(), by_class(...), by_size(...) or a "
+                        f"callable (name, module) -> bool (got {policy!r})")
+    rule = _resolve(policy, model)
+    chosen = [(n, m) for n, m in model.named_modules() if n and rule(n, m)]
+    if isinstance(rule, _BySize):
+        chosen = [(n, m) for n, m in chosen
+                  if not any(n.startswith(o + ".") for o, _ in chosen if o != n)]
+    if not chosen:
+        candidates = candidate_blocks(model)
+        raise PolicyError(
+            f"{user}: policy {policy!r} selects no submodule of {type(model).__name__}; "
+            f"candidate block classes: {candidates or 'none (the model has no nn.ModuleList)'}; "
+            "name one with by_class(...)")
+    chosen.sort(key=lambda item: item[0].count("."), reverse=True)  # deepest first
+    return chosen

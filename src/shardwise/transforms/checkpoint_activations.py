@@ -1,0 +1,71 @@
+# checkpoint_activations(): recompute selected blocks' activations in backward instead of storing them.
+"""Activation checkpointing (non-reentrant ``torch.utils.checkpoint``)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import attrs
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardwise.bundle import Bundle
+from shardwise.env import Env
+from shardwise.errors import ConflictError
+from shardwise.policies import Policy, auto, select
+from shardwise.transforms.base import Stage, Transform
+
+__all__ = ["CheckpointActivations", "checkpoint_activations"]
+
+_MARK = "_shardwise_checkpointed"
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@attrs.frozen(repr=False)
+class CheckpointActivations(Transform):
+    """See :func:`checkpoint_activations`."""
+
+    policy: Policy = attrs.field(factory=auto)
+    stage: ClassVar[Stage] = Stage.SURGERY
+    factory_name: ClassVar[str] = "checkpoint_activations"
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        bundle = self._record(bundle)
+        for name, module in select(self.policy, bundle.model, user=repr(self)):
+            if getattr(module, _MARK, False):
+                raise ConflictError(f"{self!r}: {name} ({type(module).__name__}) is "
+                                    "checkpointed already")
+            # the instance's forward is replaced; the module tree and its names stay as they are
+            module.forward = functools.partial(_checkpointed, module.forward)
+            setattr(module, _MARK, True)
+        return bundle
+
+    def describe(self, env: Env) -> str:
+        return (f"blocks chosen by {self.policy!r} recompute their activations in backward "
+                "(torch.utils.checkpoint, non-reentrant); parameter names unchanged")
+
+
+def checkpoint_activations(policy: Policy | None = None) -> CheckpointActivations:
+    """Recompute the activations of selected blocks during backward instead of storing them.
+
+    Applied before distribution (canonical order); works with ``shard``, ``replicate`` and
+    one process. Only each block's ``forward`` is wrapped, so parameter names (and so
+    checkpoints and exports) do not change. The module is changed in place.
+
+    Args:
+        policy: which blocks; default :func:`shardwise.auto`.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.checkpoint_activations(sw.by_class("LlamaDecoderLayer")))
+    """
+    return CheckpointActivations(auto() if policy is None else policy)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`checkpoint_activations` wrapped this module's forward."""
+    return bool(getattr(module, _MARK, False))

@@ -1,0 +1,48 @@
+# offload(): keep parameters, gradients and the optimizer step on the CPU (through shard()).
+"""CPU offload, carried out by :func:`shardwise.shard` with FSDP2's ``CPUOffloadPolicy``."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from shardwise.bundle import Bundle
+from shardwise.env import Env
+from shardwise.transforms.base import Stage, Transform
+
+__all__ = ["Offload", "offload"]
+
+
+@attrs.frozen(repr=False)
+class Offload(Transform):
+    """See :func:`offload`."""
+
+    cpu: bool = True
+    stage: ClassVar[Stage] = Stage.SETTINGS
+    factory_name: ClassVar[str] = "offload"
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        return self._record(bundle, offload=self.cpu)
+
+    def describe(self, env: Env) -> str:
+        if not self.cpu:
+            return "no offload (explicitly off)"
+        pin = "pinned" if env.device.type == "cuda" else "unpinned (no CUDA here)"
+        return (f"FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer step "
+                f"on the CPU, {pin} host memory")
+
+
+def offload(*, cpu: bool = True) -> Offload:
+    """Keep sharded parameters, gradients and the optimizer step in host memory.
+
+    Carried out by :func:`shardwise.shard` through FSDP2's ``CPUOffloadPolicy`` (pinned
+    memory only where CUDA exists). ``offload(cpu=False)`` is an explicit no-op. A pipeline
+    with ``offload()`` and no ``shard()`` is refused.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.shard(), sw.offload())
+    """
+    if not isinstance(cpu, bool):
+        raise TypeError(f"offload() 'cpu' must be a bool (got {cpu!r})")
+    return Offload(cpu)

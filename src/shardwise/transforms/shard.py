@@ -1,0 +1,121 @@
+# shard(): fully sharded data parallelism with FSDP2's fully_shard, block by block, then the root.
+"""Sharding on FSDP2."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise._params import param_names, rebind_optimizer, refuse_state
+from shardwise.bundle import Bundle
+from shardwise.distributed import ensure_process_group
+from shardwise.env import Env
+from shardwise.errors import ConflictError
+from shardwise.policies import Policy, auto, select
+from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.mixed_precision import fsdp_policy
+
+__all__ = ["Shard", "shard"]
+
+
+def build_mesh(env: Env, replicate_across_nodes: bool) -> DeviceMesh:
+    """A 1-D mesh over all ranks, or (nodes, ranks per node) for hybrid sharding."""
+    if replicate_across_nodes:
+        return init_device_mesh(env.device.type, (env.num_nodes, env.local_world_size),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
+
+
+@attrs.frozen(repr=False)
+class Shard(Transform):
+    """See :func:`shard`."""
+
+    policy: Policy = attrs.field(factory=auto)
+    reshard_after_forward: bool = True
+    mesh: DeviceMesh | None = None
+    replicate_across_nodes: bool = False
+    sync_each_batch: bool = False
+    stage: ClassVar[Stage] = Stage.DISTRIBUTION
+    factory_name: ClassVar[str] = "shard"
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        bundle = self._record(bundle, autocast=not bundle.env.is_distributed,
+                              sync_each_batch=self.sync_each_batch)
+        env, model, plan = bundle.env, bundle.model, bundle.plan
+        if not env.is_distributed:
+            return bundle
+        if isinstance(model, (FSDPModule, DistributedDataParallel)):
+            raise ConflictError(f"{self!r}: the model is already a {type(model).__name__}; "
+                                "pass the bare module")
+        refuse_state(bundle.optimizer)
+        ensure_process_group(env)
+        blocks = select(self.policy, model, user=repr(self))
+        names = param_names(model)
+        offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+                                  if plan.offload else OffloadPolicy())
+        options: dict[str, Any] = dict(
+            mesh=self.mesh or build_mesh(env, self.replicate_across_nodes),
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=fsdp_policy(plan.precision), offload_policy=offload)
+        for _, block in blocks:  # bottom-up: deepest first, then the root
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        rebind_optimizer(bundle.optimizer, names, model)
+        return bundle
+
+    def describe(self, env: Env) -> str:
+        if not env.is_distributed:
+            return "one process: nothing to shard, no wrapper"
+        layout = (f"hybrid: replicated over {env.num_nodes} nodes, sharded over "
+                  f"{env.local_world_size} ranks each" if self.replicate_across_nodes
+                  else f"sharded over {env.world_size} ranks")
+        zero = "ZeRO-3 (reshard after forward)" if self.reshard_after_forward else \
+            "ZeRO-2 (keep parameters gathered between forward and backward)"
+        sync = "; gradients reduced every micro-batch" if self.sync_each_batch else ""
+        return (f"FSDP2 fully_shard on blocks chosen by {self.policy!r}, then the root; "
+                f"{layout}; {zero}{sync}")
+
+
+def shard(policy: Policy | None = None, *, reshard_after_forward: bool = True,
+          mesh: DeviceMesh | None = None, replicate_across_nodes: bool = False,
+          sync_each_batch: bool = False) -> Shard:
+    """Shard parameters, gradients and optimizer state across ranks with FSDP2 ``fully_shard``.
+
+    ``fully_shard`` is applied to each block the policy selects, deepest first, then to the
+    root; the module changes in place and the bundle's optimizer is re-bound to the sharded
+    parameters (same object, same groups). Precision comes from the plan as FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)``: master weights stay
+    fp32 and no autocast runs. In one process it is a no-op.
+
+    Args:
+        policy: which blocks to shard separately; default :func:`shardwise.auto`.
+        reshard_after_forward: ``False`` keeps parameters gathered until backward (ZeRO-2,
+            SHARD_GRAD_OP): more memory, less communication.
+        mesh: a ``DeviceMesh`` to shard over; by default one over all ranks.
+        replicate_across_nodes: hybrid sharding (HYBRID_SHARD): shard within a node,
+            replicate across nodes, on a (nodes, ranks per node) mesh.
+        sync_each_batch: with ``accumulate_gradients``, reduce-scatter every micro-batch to
+            keep only sharded gradients (less memory, more communication).
+
+    Raises:
+        ValueError/TypeError: conflicting or mistyped options.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.shard(sw.by_class("LlamaDecoderLayer")), sw.mixed_precision("bf16"))
+    """
+    for name, value in (("reshard_after_forward", reshard_after_forward),
+                        ("replicate_across_nodes", replicate_across_nodes),
+                        ("sync_each_batch", sync_each_batch)):
+        if not isinstance(value, bool):
+            raise TypeError(f"shard() '{name}' must be a bool (got {value!r})")
+    if mesh is not None and replicate_across_nodes:
+        raise ValueError("shard() takes either 'mesh' or 'replicate_across_nodes=True' (got "
+                         "both); pass a 2-D mesh yourself, or let shard() build it")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"shard() 'mesh' must be a torch DeviceMesh (got {mesh!r})")
+    return Shard(auto() if policy is None else policy, reshard_after_forward, mesh,
+                 replicate_across_nodes, sync_each_batch)

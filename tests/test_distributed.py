@@ -219,3 +219,32 @@ def test_each_rank_reads_its_own_share_and_epochs_reshuffle(others):
     assert sorted(r0e0 + r1e0) == list(range(20)) == sorted(r0e1 + r1e1)
     assert not set(r0e0) & set(r1e0)
     assert r0e0 != r0e1
+
+
+def fail_on_rank_one(message):
+    if sw.detect().rank == 1:
+        raise ValueError(message)
+    return "ok"
+
+
+def loader_with_workers():
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1)
+    bundle = sw.pipeline(sw.detect())(torch.nn.Linear(1, 1), None, loader)
+    return [int(i) for batch in bundle.loader for i in batch]
+
+
+def test_run_distributed_reports_the_failing_rank_at_once():
+    import time
+
+    from shardwise.errors import RankFailedError
+
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_distributed(fail_on_rank_one, "small boom", world_size=2, timeout=60)
+    assert "rank 1 of 2 failed" in str(info.value) and "ValueError: small boom" in str(info.value)
+    assert time.monotonic() - start < 30
+
+
+def test_ranks_may_start_loader_workers():
+    first, second = run_distributed(loader_with_workers, world_size=2)
+    assert sorted(first + second) == list(range(8))

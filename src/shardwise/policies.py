@@ -90,7 +90,10 @@ def by_class(*classes: str | type) -> Policy:
 
 
 def by_size(min_params: int) -> Policy:
-    """Modules holding at least ``min_params`` parameters (largest first, none nested twice).
+    """Modules holding at least ``min_params`` parameters not already in a selected submodule.
+
+    Chosen bottom-up, like FSDP1's size-based auto-wrap policy; containers without a
+    forward (``nn.ModuleList``, ``nn.ModuleDict``) are never chosen.
 
     Raises:
         ValueError: ``min_params`` is not a positive integer.
@@ -110,10 +113,28 @@ def _resolve(policy: Policy, model: nn.Module) -> Policy:
     return _ByClass((blocks[0],)) if blocks else _ByClass(("<no repeated blocks>",))
 
 
+def _by_size(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]]:
+    chosen: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> int:
+        """Parameters under ``module`` that no chosen module holds yet."""
+        rest = sum(p.numel() for p in module.parameters(recurse=False))
+        for child_name, child in module.named_children():
+            rest += visit(f"{name}.{child_name}" if name else child_name, child)
+        containers = (nn.ModuleList, nn.ModuleDict)
+        if name and rest >= min_params and not isinstance(module, containers):
+            chosen.append((name, module))
+            return 0
+        return rest
+
+    visit("", model)
+    return chosen
+
+
 def select(policy: Policy, model: nn.Module, *, user: str) -> list[tuple[str, nn.Module]]:
     """The ``(name, module)`` pairs ``policy`` selects in ``model``, children before parents.
 
-    ``by_size`` keeps only the outermost modules it selects, so no parameter is counted twice.
+    ``by_size`` counts only parameters no selected submodule holds, bottom-up.
 
     Raises:
         PolicyError: the policy selects nothing; the message lists the candidate block classes.
@@ -122,10 +143,10 @@ def select(policy: Policy, model: nn.Module, *, user: str) -> list[tuple[str, nn
         raise TypeError(f"{user}: a policy must be auto(), by_class(...), by_size(...) or a "
                         f"callable (name, module) -> bool (got {policy!r})")
     rule = _resolve(policy, model)
-    chosen = [(n, m) for n, m in model.named_modules() if n and rule(n, m)]
     if isinstance(rule, _BySize):
-        chosen = [(n, m) for n, m in chosen
-                  if not any(n.startswith(o + ".") for o, _ in chosen if o != n)]
+        chosen = _by_size(model, rule.min_params)
+    else:
+        chosen = [(n, m) for n, m in model.named_modules() if n and rule(n, m)]
     if not chosen:
         candidates = candidate_blocks(model)
         raise PolicyError(

@@ -15,8 +15,8 @@ import math
 import multiprocessing as mp
 import os
 import pickle
-import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,17 +42,18 @@ def free_port() -> int:
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int,
-               port: int, backend: str, queue: Any) -> None:
+               port: int, queue: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        result = fn(*args)
         # by value: shared-memory tensors would vanish when this process exits
-        queue.put((rank, True, pickle.dumps(result)))
+        message: tuple[int, bool, bytes | str] = (rank, True, pickle.dumps(fn(*args)))
     except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
+        message = (rank, False, traceback.format_exc())
+    queue.put(message)  # a SimpleQueue writes before put() returns
+    if not message[1]:
         os._exit(1)  # do not wait at an exit barrier the other ranks may never reach
     if dist.is_initialized():
         dist.barrier()
@@ -66,38 +67,45 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2,
     Each process gets torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, ...,
     MASTER_ADDR=127.0.0.1 and a free MASTER_PORT), so ``sw.detect()`` inside ``fn`` sees a
     ``world_size``-rank job; the pipeline joins the ``backend`` group. ``fn`` and its
-    results must pickle (define ``fn`` at module level).
+    results must pickle (define ``fn`` at module level). Ranks may start DataLoader workers.
 
     Returns:
         The results, indexed by rank.
 
     Raises:
-        RankFailedError: a rank raised (its traceback is in the message) or the run took
-            longer than ``timeout`` seconds (every rank is then killed).
+        RankFailedError: a rank raised (its traceback is in the message) or died, or the
+            whole run took longer than ``timeout`` seconds; every rank is then killed.
     """
     if backend != "gloo":
         raise ValueError(f"run_distributed() runs CPU ranks on 'gloo' (got backend={backend!r})")
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world_size, port, backend, queue),
-                         daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world_size, port, queue))
+             for r in range(world_size)]
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(results) < world_size:
-            try:
-                rank, ok, value = queue.get(timeout=timeout)
-            except queue_module.Empty:
+            if not queue.empty():
+                rank, ok, value = queue.get()
+                if not ok:
+                    raise RankFailedError(f"rank {rank} of {world_size} failed:\n{value}")
+                results[rank] = pickle.loads(value)
+                continue
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead and queue.empty():
+                raise RankFailedError(f"rank {dead[0]} of {world_size} died with exit code "
+                                      f"{procs[dead[0]].exitcode} before reporting a result")
+            if time.monotonic() > deadline:
                 raise RankFailedError(
                     f"run_distributed({fn.__name__}) timed out after {timeout} s; ranks "
-                    f"{sorted(set(range(world_size)) - set(results))} did not finish") from None
-            if not ok:
-                raise RankFailedError(f"rank {rank} of {world_size} failed:\n{value}")
-            results[rank] = pickle.loads(value)
+                    f"{sorted(set(range(world_size)) - set(results))} did not finish")
+            time.sleep(0.02)
         for proc in procs:
-            proc.join(timeout)
+            proc.join(max(1.0, deadline - time.monotonic()))
     finally:
         for proc in procs:
             if proc.is_alive():

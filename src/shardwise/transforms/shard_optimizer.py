@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar
 
 import attrs
@@ -41,7 +42,8 @@ class ShardOptimizer(Transform):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         groups: list[dict[str, Any]] = [dict(g) for g in optimizer.param_groups]
-        defaults = {k: v for k, v in optimizer.defaults.items() if k != "params"}
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
         engine = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
         return attrs.evolve(bundle, sharded_optimizer=engine)
 

@@ -83,6 +83,29 @@ def test_loaders_that_cannot_be_split_are_refused(loader, message):
     assert message in str(info.value)
 
 
+def test_one_process_keeps_loaders_that_cannot_be_split():
+    one = sw.Env()
+    weighted = DataLoader(SyntheticRegression(size=4), sampler=WeightedRandomSampler([1.0] * 4, 4))
+    for loader in ([1, 2], DataLoader(Stream()), weighted,
+                   DataLoader(SyntheticRegression(size=4), batch_size=None)):
+        assert shard_loader(loader, one) is loader
+
+
+def test_shard_loader_copies_worker_and_memory_settings():
+    def init(worker_id):
+        return None
+
+    gen = torch.Generator().manual_seed(3)
+    loader = DataLoader(SyntheticRegression(size=8), batch_size=2, shuffle=True, num_workers=2,
+                        persistent_workers=True, prefetch_factor=3, timeout=5.0,
+                        worker_init_fn=init, generator=gen, in_order=False)
+    copy = shard_loader(loader, TWO)
+    assert (copy.num_workers, copy.persistent_workers, copy.prefetch_factor) == (2, True, 3)
+    assert (copy.timeout, copy.worker_init_fn, copy.generator) == (5.0, init, gen)
+    assert copy.in_order is False and copy.pin_memory is False
+    assert shard_loader(loader, TWO, pin_memory=True).pin_memory is True
+
+
 def test_pin_memory_without_cuda_is_refused():
     with pytest.raises(DataError, match="pinned memory needs a CUDA device"):
         sw.pipeline(sw.Env(), sw.distribute_data(pin_memory=True))(

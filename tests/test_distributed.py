@@ -49,26 +49,31 @@ def counting_hook(counter, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def train(parts, batch_size, micro_steps, *, opt="adamw", token_weighted=False):
-    """Train the tiny LM with ``parts``; returns its parameters, the all-reduce count, the state."""
+def train(parts, batch_size, micro_steps, *, opt="adamw", token_weighted=False, schedule=False):
+    """Train the tiny LM with ``parts``; returns parameters, all-reduce count, state, norms, lr."""
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
     if opt == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if schedule \
+        else None
     data = MaskedTokens() if token_weighted else SyntheticTokens(size=256, seq_len=8)
     loader = DataLoader(data, batch_size=batch_size, shuffle=True)
-    bundle = sw.pipeline(sw.detect(), *parts)(model, optimizer, loader,
+    bundle = sw.pipeline(sw.detect(), *parts)(model, optimizer, loader, scheduler=scheduler,
                                                loss_fn=token_loss if token_weighted else None)
     counter = Counter()
     if isinstance(bundle.model, DistributedDataParallel):
         bundle.model.register_comm_hook(counter, counting_hook)
-    state, batches = bundle.init(), iter(bundle.loader)
+    state, batches, norms = bundle.init(), iter(bundle.loader), []
     for _ in range(micro_steps):
         state, out = bundle.step(state, next(batches))
+        if out.grad_norm is not None:
+            norms.append(out.grad_norm.item())
     params = {k: v.detach().clone() for k, v in unwrap(bundle.model).state_dict().items()}
-    return {"params": params, "allreduces": counter.calls, "state": state}
+    return {"params": params, "allreduces": counter.calls, "state": state, "norms": norms,
+            "lr": optimizer.param_groups[0]["lr"]}
 
 
 # name -> (parts, per-rank batch on 2 ranks, micro-steps on 2 ranks, options,
@@ -81,6 +86,8 @@ CASES = {
     "static_graph_accumulate": ([sw.replicate(static_graph=True), sw.accumulate_gradients(2)], 4,
                                 6, {"opt": "sgd"}, ([], 16, 3)),
     "bf16": ([sw.mixed_precision("bf16")], 8, 10, {}, ([sw.mixed_precision("bf16")], 16, 10)),
+    "clip": ([sw.clip_gradients(0.05)], 8, 10, {"schedule": True},
+             ([sw.clip_gradients(0.05)], 16, 10)),
 }
 
 
@@ -122,6 +129,17 @@ def test_token_weighted_loss_divides_by_items_over_window_and_ranks(two_ranks, r
     result = two_ranks[0]["token_weighted"]
     assert max_param_diff(result["params"], references["token_weighted"]["params"]) <= 1e-5
     assert [r["token_weighted"]["allreduces"] for r in two_ranks] == [2, 2]
+
+
+def test_clipping_on_two_ranks_sees_the_global_norm_and_the_scheduler_steps(two_ranks,
+                                                                            references):
+    rank0, rank1 = (r["clip"] for r in two_ranks)
+    reference = references["clip"]
+    assert rank0["norms"] == rank1["norms"] and len(rank0["norms"]) == 10
+    assert max(abs(a - b) for a, b in zip(rank0["norms"], reference["norms"])) <= 1e-5
+    assert min(rank0["norms"]) > 0.05  # every step was clipped
+    assert max_param_diff(rank0["params"], reference["params"]) <= 1e-5
+    assert rank0["lr"] == reference["lr"] == 1e-2 * 0.5**5
 
 
 def test_static_graph_with_accumulation_from_the_first_step(two_ranks, references):
@@ -186,8 +204,34 @@ def data_shares():
     return [[int(i) for batch in bundle.loader for i in batch] for _ in range(2)]
 
 
+def resumed_static_graph_and_counts():
+    """A static-graph DDP resumed mid-run, and a loss_fn whose counts are float64 tensors."""
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=1)
+    pipe = sw.pipeline(sw.detect(), sw.replicate(static_graph=True), sw.accumulate_gradients(2))
+    bundle = pipe(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=token_loss_f64)
+    data = MaskedTokens()
+    batch = {"input_ids": data.inputs[:2], "labels": data.labels[:2]}
+    counts = []
+    state = sw.TrainState(step=5, micro_step=10)  # as if restored from a checkpoint
+    for _ in range(4):
+        state, _ = bundle.step(state, batch)
+        counts.append(COUNTS[-1].item())
+    return {"state": state, "counts": counts, "expected": int((batch["labels"] != -100).sum())}
+
+
+COUNTS = []
+
+
+def token_loss_f64(model, batch):
+    loss, count = token_loss(model, batch)
+    COUNTS.append(count.to(torch.float64))
+    return loss, COUNTS[-1]
+
+
 def other_cases():
-    return {"nonfinite": nonfinite_and_groups(), "data": data_shares()}
+    return {"nonfinite": nonfinite_and_groups(), "data": data_shares(),
+            "resumed": resumed_static_graph_and_counts()}
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +292,10 @@ def test_run_distributed_reports_the_failing_rank_at_once():
 def test_ranks_may_start_loader_workers():
     first, second = run_distributed(loader_with_workers, world_size=2)
     assert sorted(first + second) == list(range(8))
+
+
+def test_static_graph_resumed_mid_run_and_counts_left_untouched(others):
+    for rank in others:
+        result = rank["resumed"]
+        assert (result["state"].step, result["state"].micro_step) == (7, 14)
+        assert result["counts"] == [result["expected"]] * 4

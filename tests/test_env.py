@@ -12,7 +12,7 @@ TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
             "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
             "MASTER_PORT": "29511", "TORCHELASTIC_RUN_ID": "abc"}
 SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
-         "SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "2",
+         "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_ID": "0",
          "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu1", "SLURM_JOB_ID": "4242"}
 MPI = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
        "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
@@ -48,6 +48,29 @@ def test_slurm_variables():
     assert (env.node_rank, env.num_nodes, env.launcher) == (1, 2, "slurm")
     assert env.master_addr == "gpu07"
     assert env.master_port == 15000 + 4242
+
+
+def test_an_sbatch_script_without_srun_is_one_process():
+    batch_step = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    batch_step["SLURM_PROCID"] = "0"
+    env = sw.detect(environ=batch_step)
+    assert (env.world_size, env.launcher) == (1, "none")
+
+
+def test_slurm_uneven_tasks_per_node():
+    uneven = {**SLURM, "SLURM_NTASKS": "5", "SLURM_TASKS_PER_NODE": "3,2",
+              "SLURM_PROCID": "2", "SLURM_LOCALID": "2", "SLURM_NODEID": "0"}
+    env = sw.detect(environ=uneven)
+    assert (env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (5, 2, 3, 0)
+    on_second = sw.detect(environ={**uneven, "SLURM_PROCID": "4", "SLURM_LOCALID": "1",
+                                   "SLURM_NODEID": "1"})
+    assert on_second.local_world_size == 2
+
+
+@pytest.mark.parametrize("spec, counts", [("4", [4]), ("2(x3),1", [2, 2, 2, 1]), ("3,2", [3, 2])])
+def test_expand_slurm_task_counts(spec, counts):
+    from shardwise.env import expand_task_counts
+    assert expand_task_counts(spec) == counts
 
 
 def test_torchrun_wins_over_slurm():

@@ -67,9 +67,16 @@ def test_explicit_replicate_in_one_process_says_no_wrapper():
 
 
 def test_no_env_calls_detect(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    assert sw.pipeline().env == sw.detect()
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    env = sw.pipeline().env
+    assert (env.world_size, env.rank, env.launcher) == (2, 1, "env")
+
+
+def test_an_explicit_place_is_not_added_twice():
+    pipe = sw.pipeline(ONE, sw.place())
+    assert names(pipe).count("Place") == 1
+    pipe(TinyMLP())
 
 
 def test_same_transform_twice_is_refused_naming_both():

@@ -233,3 +233,51 @@ def test_fp16_scaler_skips_overflowing_steps_and_counts_them():
     assert outs[-1] and all(p.dtype == torch.float32 for p in model.parameters())
     state, out = bundle.step(state, (torch.full((4, 8), float("nan")), torch.zeros(4, 1)))
     assert not out.stepped and state.skipped_steps == skipped + 1
+
+
+@pytest.mark.parametrize("returned, shown", [
+    (lambda loss, logits: (loss, logits), "Tensor(), Tensor(4, 1)"),
+    (lambda loss, logits: (loss, 3, 4), "Tensor(), int, int"),
+    (lambda loss, logits: (logits, 3), "Tensor(4, 1), int"),
+])
+def test_a_tuple_that_is_not_sum_and_count_is_refused(returned, shown):
+    model, opt = mlp_and_sgd()
+
+    def loss_fn(m, batch):
+        logits = m(batch[0])
+        return returned(torch.nn.functional.mse_loss(logits, batch[1]), logits)
+
+    bundle = sw.pipeline(ONE)(model, opt, loss_fn=loss_fn)
+    with pytest.raises(LossError) as info:
+        bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)))
+    assert f"loss_fn returned a tuple ({shown}); accepted:" in str(info.value)
+
+
+def test_step_refuses_an_unknown_on_nonfinite():
+    model, opt = mlp_and_sgd()
+    bundle = sw.pipeline(ONE)(model, opt)
+    with pytest.raises(ValueError, match="'on_nonfinite' must be 'raise', 'skip' or None .got 'Skip'"):
+        bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)), on_nonfinite="Skip")
+
+
+def test_accumulation_windows_run_across_epoch_ends():
+    model, opt = mlp_and_sgd()
+    ref = copy.deepcopy(model)
+    data = SyntheticRegression(size=12)
+    loader = DataLoader(data, batch_size=4)  # 3 batches an epoch
+    bundle = sw.pipeline(ONE, sw.accumulate_gradients(2))(model, opt, loader)
+    state, seen = bundle.init(), []
+    for _ in range(2):
+        for batch in bundle.loader:
+            state, out = bundle.step(state, batch)
+            seen.append((state.epoch, state.batch_in_epoch, out.stepped))
+    assert seen == [(0, 1, False), (0, 2, True), (0, 3, False), (1, 1, True), (1, 2, False),
+                    (1, 3, True)]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    order = [range(0, 8), range(8, 12), range(0, 4), range(4, 12)]  # the three windows
+    for window in (order[0], list(order[1]) + list(order[2]), order[3]):
+        idx = list(window)
+        ref(data.x[idx], data.y[idx]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert max_param_diff(model, ref) <= 1e-6

@@ -85,58 +85,63 @@ class DeviceLoader:
             yield batch
 
 
-def _shuffles(loader: DataLoader[Any]) -> bool:
+def _unsplittable(loader: Iterable[Any]) -> str | None:
+    """Why ``loader`` cannot be rebuilt around a DistributedSampler, or None if it can."""
+    if not isinstance(loader, DataLoader):
+        return (f"the loader is a {type(loader).__name__}, not a torch DataLoader, so shardwise "
+                "cannot split it across ranks; pass a DataLoader, or split the data yourself "
+                "and leave the loader out of the pipeline call")
+    if isinstance(loader.dataset, IterableDataset):
+        return (f"the loader's dataset is an IterableDataset ({type(loader.dataset).__name__}), "
+                "which a sampler cannot split; yield only this rank's share in the dataset "
+                "(torch.distributed.get_rank()) and leave the loader out of the pipeline call")
+    if loader.batch_size is None:
+        return ("the loader has batch_size=None (a batch_sampler, or no batching); shardwise "
+                "needs batch_size and shuffle to build the distributed sampler")
     sampler = loader.sampler
-    if isinstance(sampler, RandomSampler):
-        if sampler.replacement or sampler._num_samples is not None:
-            raise DataError(
-                "the loader's RandomSampler draws with replacement or a set num_samples, which "
+    if isinstance(sampler, RandomSampler) and (sampler.replacement
+                                               or sampler._num_samples is not None):
+        return ("the loader's RandomSampler draws with replacement or a set num_samples, which "
                 "a DistributedSampler cannot reproduce; use shuffle=True alone, or shard the "
                 "data yourself and pass a loader whose sampler is a DistributedSampler")
-        return True
-    if isinstance(sampler, SequentialSampler):
-        return False
-    raise DataError(
-        f"the loader's sampler is a {type(sampler).__name__}; shardwise can distribute loaders "
-        "built with shuffle=True/False. Use a DistributedSampler of your own (it is kept as is)")
+    if not isinstance(sampler, (RandomSampler, SequentialSampler)):
+        return (f"the loader's sampler is a {type(sampler).__name__}; shardwise can distribute "
+                "loaders built with shuffle=True/False. Use a DistributedSampler of your own "
+                "(it is kept as is)")
+    return None
 
 
 def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
                  pin_memory: bool = False) -> Iterable[Any]:
     """A copy of ``loader`` whose sampler is a ``DistributedSampler`` for ``env``.
 
-    Keeps batch_size, shuffle, drop_last, collate_fn, workers and the rest. A loader that
-    already has a ``DistributedSampler`` is kept.
+    Keeps batch_size, shuffle, drop_last, collate_fn, workers and the rest. The shuffling
+    order comes from ``seed`` and the epoch (not from torch's global RNG), in one process
+    too, so one process and N ranks read the same global batches. A loader that already has
+    a ``DistributedSampler`` is kept; in one process, so is a loader that cannot be split.
 
     Raises:
-        DataError: the loader cannot be split across ranks as it is.
+        DataError: several ranks and a loader that cannot be split across them.
     """
-    if not isinstance(loader, DataLoader):
+    if isinstance(getattr(loader, "sampler", None), DistributedSampler):
+        return loader
+    problem = _unsplittable(loader)
+    if problem is not None:
         if env.is_distributed:
-            raise DataError(
-                f"the loader is a {type(loader).__name__}, not a torch DataLoader, so shardwise "
-                f"cannot split it across {env.world_size} ranks; pass a DataLoader, or split "
-                "the data yourself and leave the loader out of the pipeline call")
+            raise DataError(problem)
         return loader
-    if isinstance(loader.sampler, DistributedSampler):
-        return loader
-    if isinstance(loader.dataset, IterableDataset):
-        if env.is_distributed:
-            raise DataError(
-                f"the loader's dataset is an IterableDataset ({type(loader.dataset).__name__}), "
-                "which a sampler cannot split; yield only this rank's share in the dataset "
-                "(torch.distributed.get_rank()) and leave the loader out of the pipeline call")
-        return loader
-    if loader.batch_size is None:
-        raise DataError("the loader was built with a batch_sampler; shardwise needs batch_size "
-                        "and shuffle to build the distributed sampler")
+    assert isinstance(loader, DataLoader)
     sampler: DistributedSampler[Any] = DistributedSampler(
-        loader.dataset, num_replicas=env.world_size, rank=env.rank, shuffle=_shuffles(loader),
-        seed=seed, drop_last=loader.drop_last)
+        loader.dataset, num_replicas=env.world_size, rank=env.rank,
+        shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last)
     extra: dict[str, Any] = {}
     if loader.num_workers > 0:
         extra = dict(prefetch_factor=loader.prefetch_factor,
                      persistent_workers=loader.persistent_workers)
+    if hasattr(loader, "in_order"):
+        extra["in_order"] = loader.in_order
+    if getattr(loader, "pin_memory_device", ""):
+        extra["pin_memory_device"] = loader.pin_memory_device
     return DataLoader(
         loader.dataset, batch_size=loader.batch_size, sampler=sampler,
         num_workers=loader.num_workers, collate_fn=loader.collate_fn,

@@ -46,7 +46,11 @@ def ensure_process_group(env: Env) -> None:
     if not env.is_distributed:
         return
     if dist.is_initialized():
-        size, rank = dist.get_world_size(), dist.get_rank()
+        size, rank, backend = dist.get_world_size(), dist.get_rank(), dist.get_backend()
+        if env.backend not in str(backend):
+            raise EnvError(f"a process group already exists with backend {backend!r}, but the "
+                           f"Env's device {env.device} needs {env.backend!r}; initialise it with "
+                           f"{env.backend!r} or let shardwise do it")
         if (size, rank) != (env.world_size, env.rank):
             raise EnvError(
                 f"a process group already exists with world_size={size}, rank={rank}, but the "

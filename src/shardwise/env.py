@@ -125,12 +125,32 @@ def _from_torchrun(environ: Mapping[str, str]) -> dict[str, Any]:
     )
 
 
+def expand_task_counts(spec: str) -> list[int]:
+    """SLURM's tasks-per-node list, e.g. ``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            raise EnvError(f"cannot read SLURM tasks per node {spec!r}; expected e.g. '2(x3),1'")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
 def _from_slurm(environ: Mapping[str, str]) -> dict[str, Any]:
-    world = _int(environ, "SLURM_NTASKS")
-    nodes = _int(environ, "SLURM_NNODES") if "SLURM_NNODES" in environ else 1
-    per_node = environ.get("SLURM_NTASKS_PER_NODE", "")
-    local_world = int(per_node) if per_node.isdigit() else max(1, world // nodes)
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    world = _int(environ, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ
+                 else "SLURM_NTASKS")
+    nodes = _int(environ, "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in environ
+                 else "SLURM_NNODES") if ("SLURM_STEP_NUM_NODES" in environ
+                                          or "SLURM_NNODES" in environ) else 1
+    node_rank = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
+    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if spec:
+        per_node = expand_task_counts(spec)
+        local_world = per_node[node_rank] if node_rank < len(per_node) else per_node[-1]
+    else:
+        local_world = max(1, world // nodes)
+    nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                or environ.get("SLURM_NODELIST"))
     addr = environ.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1")
     if "MASTER_PORT" in environ:
         port = _int(environ, "MASTER_PORT")
@@ -139,8 +159,7 @@ def _from_slurm(environ: Mapping[str, str]) -> dict[str, Any]:
     return dict(
         world_size=world, rank=_int(environ, "SLURM_PROCID"),
         local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
-        local_world_size=local_world, num_nodes=nodes,
-        node_rank=_int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0,
+        local_world_size=local_world, num_nodes=nodes, node_rank=node_rank,
         master_addr=addr, master_port=port, launcher="slurm",
     )
 
@@ -175,7 +194,9 @@ def _topology(environ: Mapping[str, str]) -> dict[str, Any]:
                 f"a torchrun-style launch sets all of {', '.join(_TORCHRUN_KEYS)}; set the missing "
                 "ones or unset the others")
         return _from_torchrun(environ)
-    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+    # only a step started by srun is a distributed job: an sbatch script itself also has
+    # SLURM_PROCID=0 and SLURM_NTASKS=N, but no SLURM_STEP_ID
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and "SLURM_STEP_ID" in environ:
         return _from_slurm(environ)
     if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
         return _from_mpi(environ)
@@ -207,6 +228,8 @@ def _device_facts(device: torch.device, world_size: int) -> dict[str, Any]:
 def _pick_device(local_rank: int, world_size: int) -> torch.device:
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
+        if count == 1:  # one visible device per process (e.g. SLURM's per-task binding)
+            return torch.device("cuda", 0)
         if local_rank >= count:
             raise EnvError(f"local rank {local_rank} has no CUDA device: this machine has {count}; "
                            f"start at most {count} processes per node")

@@ -18,7 +18,7 @@ from shardwise.transforms.base import Stage, Transform
 from shardwise.transforms.distribute_data import DistributeData, distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, check_precision, mixed_precision
 from shardwise.transforms.offload import Offload
-from shardwise.transforms.place import place
+from shardwise.transforms.place import Place, place
 from shardwise.transforms.replicate import replicate
 from shardwise.transforms.shard import Shard
 from shardwise.transforms.shard_optimizer import ShardOptimizer
@@ -48,9 +48,10 @@ def _defaults(env: Env, given: list[Transform]) -> list[Step]:
         else:
             chosen.append(Step(mixed_precision("fp32"),
                                f"default: {env.device} has no fast native bf16"))
-    chosen.append(Step(place(), "always"))
+    if not any(isinstance(t, Place) for t in given):
+        chosen.append(Step(place(), "always"))
     if not any(isinstance(t, DistributeData) for t in given):
-        chosen.append(Step(distribute_data(), "added when a loader is given"))
+        chosen.append(Step(distribute_data(), "default: applies when a loader is passed"))
     return chosen
 
 

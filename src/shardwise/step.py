@@ -64,6 +64,20 @@ def _copy_hyperparameters(source: torch.optim.Optimizer, engine: torch.optim.Opt
     source._opt_called = True  # type: ignore[attr-defined]
 
 
+def _sum_and_count(result: tuple[Any, ...]) -> tuple[torch.Tensor, Any]:
+    """Check a ``(loss_sum, num_items)`` pair from ``loss_fn``."""
+    count = result[1] if len(result) == 2 else None
+    countable = isinstance(count, (int, float)) and not isinstance(count, bool) or (
+        isinstance(count, torch.Tensor) and count.numel() == 1)
+    if not countable or not isinstance(result[0], torch.Tensor) or result[0].ndim != 0:
+        shown = ", ".join(type(v).__name__ if not isinstance(v, torch.Tensor)
+                          else f"Tensor{tuple(v.shape)}" for v in result)
+        raise LossError(f"loss_fn returned a tuple ({shown}); accepted: a scalar loss tensor, "
+                        "or (loss_sum, num_items) with a scalar loss_sum and a number or "
+                        "one-element tensor num_items")
+    return result[0], count
+
+
 class Stepper:
     """Runs ``Bundle.step``; built once per bundle, on the first step."""
 
@@ -84,6 +98,7 @@ class Stepper:
         self.ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
         self.fsdp = self.model if isinstance(self.model, FSDPModule) else None
         self.static_graph = bool(self.ddp is not None and self.ddp.static_graph)
+        self.synced_once = False  # DDP's static graph needs one synchronised iteration first
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.sharded = any(isinstance(p, DTensor) for p in self.params)
         self.device = env.device
@@ -100,10 +115,7 @@ class Stepper:
         if self.loss_fn is not None:
             result = self.loss_fn(self.model, batch)
             if isinstance(result, tuple):
-                if len(result) != 2:
-                    raise LossError(f"loss_fn returned a tuple of {len(result)}; return a "
-                                    "scalar loss, or (loss_sum, num_items)")
-                return result[0], result[1]
+                return _sum_and_count(result)
             return _loss_of(result), None
         if isinstance(batch, Mapping):
             out = self.model(**batch)
@@ -127,8 +139,9 @@ class Stepper:
             raise LossError("loss_fn returned (loss_sum, num_items) for some micro-batches of a "
                             "window and a plain loss for others; return one form always")
         if weighted:
-            count = torch.as_tensor(items, dtype=torch.float64, device=loss.device)
-            self.items = count if self.items is None else self.items + count
+            count = torch.as_tensor(items, dtype=torch.float64, device=loss.device).reshape(())
+            # a copy: the window's total is all-reduced in place, the user's tensor must not be
+            self.items = count.clone() if self.items is None else self.items + count
             report = loss.detach() / count.to(loss.dtype)
         else:
             report = loss.detach()
@@ -217,7 +230,7 @@ class Stepper:
             return functools.partial(_fsdp_no_sync, self.fsdp)
         if self.ddp is None:
             return None
-        if self.static_graph and state.micro_step == 0:
+        if self.static_graph and not self.synced_once:
             return None  # DDP's static graph must see one synchronised iteration first
         return self.ddp.no_sync
 
@@ -227,9 +240,13 @@ class Stepper:
         boundary = micro % self.window == 0
         if self.move:
             batch = to_device(batch, self.device)
+        if on_nonfinite is not None and on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"step() 'on_nonfinite' must be 'raise', 'skip' or None "
+                             f"(got {on_nonfinite!r})")
         no_sync = self.sync_context(state, boundary)
         if no_sync is None:
             loss = self.backward(batch)
+            self.synced_once = True
         else:
             with no_sync():
                 loss = self.backward(batch)

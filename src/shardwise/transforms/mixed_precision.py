@@ -54,8 +54,8 @@ def check_precision(precision: str, env: Env, part: str) -> None:
     if precision not in env.precisions:
         raise PrecisionError(
             f"{part} asks for {precision!r}, but {env.device} supports only "
-            f"{', '.join(repr(p) for p in env.precisions)}; use one of those "
-            "(fp16 needs a CUDA device)")
+            f"{', '.join(repr(p) for p in env.precisions)}; use one of those"
+            + (" (fp16 needs a CUDA device)" if precision == "fp16" else ""))
 
 
 @attrs.frozen(repr=False)

@@ -136,7 +136,7 @@ def test_clipping_on_two_ranks_sees_the_global_norm_and_the_scheduler_steps(two_
     rank0, rank1 = (r["clip"] for r in two_ranks)
     reference = references["clip"]
     assert rank0["norms"] == rank1["norms"] and len(rank0["norms"]) == 10
-    assert max(abs(a - b) for a, b in zip(rank0["norms"], reference["norms"])) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(rank0["norms"], reference["norms"], strict=True)) <= 1e-5
     assert min(rank0["norms"]) > 0.05  # every step was clipped
     assert max_param_diff(rank0["params"], reference["params"]) <= 1e-5
     assert rank0["lr"] == reference["lr"] == 1e-2 * 0.5**5

@@ -7,7 +7,7 @@ import torch
 
 import shardwise as sw
 from shardwise.errors import ConflictError, OptimizerError, PrecisionError
-from shardwise.testing import TinyMLP
+from shardwise.testing import TinyMLP, TinyTransformerLM
 from shardwise.transforms import Stage, Transform
 
 ONE = sw.Env()
@@ -51,13 +51,48 @@ def test_default_for_one_process_has_no_wrapper_and_fp32_on_cpu():
 
 def test_default_for_two_processes_replicates_and_says_why():
     pipe = sw.pipeline(TWO)
-    assert names(pipe) == ["MixedPrecision", "Replicate", "Place", "DistributeData"]
-    text = pipe.explain()
-    assert "default: 2 processes and no distribution transform given" in text
+    assert names(pipe) == ["MixedPrecision", "Place", "DistributeData"]
+    assert "distribution: chosen per model when called (2 processes, none given)" in pipe.explain()
+    resolved = pipe.resolve(TinyTransformerLM())
+    assert names(resolved) == ["MixedPrecision", "Replicate", "Place", "DistributeData"]
+    text = resolved.explain()
+    assert "default: 2 processes; device memory unknown, so replicate" in text
     assert "DistributedDataParallel over 2 ranks (gloo)" in text
     lines = text.splitlines()
     order = [i for i, line in enumerate(lines) if line.strip()[:2] in ("1.", "2.", "3.", "4.")]
     assert len(order) == 4
+    assert pipe.explain(TinyTransformerLM()) == text
+
+
+def two_with_memory(mib):
+    # per-rank budget on a CPU: memory * 0.8 / local ranks
+    return attrs.evolve(TWO, device_memory_bytes=int(mib * 2**20 * 2 / 0.8))
+
+
+BATCH = {"input_ids": torch.zeros(8, 16, dtype=torch.long),
+         "labels": torch.zeros(8, 16, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("mib, chosen, said", [
+    (100, ["Replicate"], "replicate needs"),  # estimates: 2.22, 1.92, 0.99 and 0.57 MiB
+    (2.0, ["Shard"], "shard needs"),
+    (1.2, ["CheckpointActivations", "Shard"], "shard + checkpoint_activations needs"),
+    (0.7, ["Offload", "CheckpointActivations", "Shard"], "checkpoint_activations + offload needs"),
+    (0.3, ["Offload", "CheckpointActivations", "Shard"], "none fits"),
+])
+def test_default_distribution_follows_the_memory_estimate(mib, chosen, said):
+    model = TinyTransformerLM(dim=32, layers=4)
+    opt = torch.optim.AdamW(model.parameters())
+    resolved = sw.pipeline(two_with_memory(mib)).resolve(model, opt, batch=BATCH)
+    picked = [n for n in names(resolved) if n not in ("MixedPrecision", "Place", "DistributeData")]
+    assert picked == chosen
+    assert said in resolved.explain()
+
+
+def test_a_model_without_blocks_stays_replicated_when_memory_is_short():
+    resolved = sw.pipeline(two_with_memory(0.0001)).resolve(TinyMLP())
+    assert "Replicate" in names(resolved)
+    assert "shard: no blocks to shard" in resolved.explain()
 
 
 def test_explicit_replicate_in_one_process_says_no_wrapper():

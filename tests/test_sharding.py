@@ -61,6 +61,7 @@ def train(parts, batch_size, steps, layers=2):
 def state_bytes(parts, layers=4, dim=32):
     """Per-rank bytes of parameters, gradients and optimizer state after a step and a backward."""
     model, opt = make(layers, dim)
+    estimate = sw.estimate_memory(model, parts, sw.detect(), optimizer=opt)
     bundle = sw.pipeline(sw.detect(), *parts)(model, opt)
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     state, _ = bundle.step(bundle.init(), {"input_ids": ids, "labels": ids})
@@ -68,9 +69,33 @@ def state_bytes(parts, layers=4, dim=32):
     params = list(bundle.model.parameters())
     tensors = [v for s in bundle.optimizer.state.values() for v in s.values()
                if isinstance(v, torch.Tensor)]
-    return {"params": sum(nbytes(p) for p in params),
-            "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(nbytes(v) for v in tensors)}
+    measured = {"params": sum(nbytes(p) for p in params),
+                "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+                "optimizer": sum(nbytes(v) for v in tensors)}
+    return {"measured": measured, "estimated": estimate.params_bytes + estimate.grads_bytes
+            + estimate.optimizer_bytes}
+
+
+def default_choice_when_memory_is_short():
+    """detect(device_memory_bytes=...) between the replicated and the sharded estimate."""
+    model, opt = make()
+    loader = DataLoader(SyntheticTokens(size=512, seq_len=8), batch_size=GLOBAL_BATCH // 2,
+                        shuffle=True)
+    batch = loader.collate_fn([loader.dataset[i] for i in range(GLOBAL_BATCH // 2)])
+    env = sw.detect()
+    need = [sw.estimate_memory(model, parts, env, batch=batch, optimizer=opt).total_bytes
+            for parts in ([sw.replicate()], [sw.shard()])]
+    memory = int((need[0] + need[1]) / 2 * env.local_world_size / 0.8)
+    pipe = sw.pipeline(sw.detect(device_memory_bytes=memory))
+    text = pipe.explain(model, opt, batch=batch)
+    bundle = pipe(model, opt, loader)
+    state = bundle.init()
+    for batch in bundle.loader:
+        state, _ = bundle.step(state, batch)
+        if state.step == STEPS:
+            break
+    return {"explain": text, "model_type": type(bundle.model).__name__,
+            "params": full_state(bundle.model), "need": need}
 
 
 # name -> (parts on N ranks, the single-process reference's parts)
@@ -96,6 +121,7 @@ def two_rank_cases(world_size):
     out = {name: train(parts, GLOBAL_BATCH // world_size, STEPS) for name, (parts, _) in PARITY.items()}
     out["seed_long"] = train(PARITY["seed"][0], GLOBAL_BATCH // world_size, 40)
     out["bytes"] = state_bytes([sw.shard()])
+    out["default"] = default_choice_when_memory_is_short()
     return out
 
 
@@ -107,7 +133,7 @@ def two():
 @pytest.fixture(scope="module")
 def references():
     refs = {name: train(ref, GLOBAL_BATCH, STEPS) for name, (_, ref) in PARITY.items()}
-    refs["bytes"] = state_bytes([])
+    refs["bytes"] = state_bytes([])["measured"]
     return refs
 
 
@@ -153,11 +179,12 @@ def largest_block_bytes():
     return block * 4 * 4  # fp32 parameter, gradient and AdamW's two moments
 
 
-def check_sharded_bytes(sharded, replicated, ranks):
-    total = sum(sharded.values())
+def check_sharded_bytes(result, replicated, ranks):
+    total = sum(result["measured"].values())
     full = sum(replicated.values())
     assert total <= 1.1 * full / ranks + largest_block_bytes(), (total, full)
     assert total < full / ranks * 1.5
+    assert abs(result["estimated"] - total) <= 0.1 * total, (result["estimated"], total)
 
 
 def test_per_rank_state_bytes_shrink_at_two_ranks(two, references):
@@ -178,3 +205,12 @@ def test_four_ranks_shard_parity_and_memory(four, references):
     for rank in four:
         check_sharded_bytes(rank["bytes"], references["bytes"], 4)
     assert max_param_diff(four[0]["shard"]["params"], references["shard"]["params"]) <= 1e-5
+
+
+def test_default_pipeline_shards_when_replicas_would_not_fit(two, references):
+    for rank in two:
+        result = rank["default"]
+        assert result["model_type"] == "FSDPTinyTransformerLM"
+        assert "shard needs" in result["explain"] and "replicate needs" in result["explain"]
+        assert result["need"][1] < result["need"][0]
+    assert max_param_diff(two[0]["default"]["params"], references["shard"]["params"]) <= 1e-5

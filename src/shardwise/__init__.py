@@ -11,11 +11,12 @@ Example:
 
 from importlib.metadata import PackageNotFoundError, version
 
-from shardwise import errors
+from shardwise import errors, policies, testing
 from shardwise.bundle import Bundle, Plan
 from shardwise.data import to_device
 from shardwise.distributed import ensure_process_group
 from shardwise.env import CONFIG_ENV_VAR, Env, detect
+from shardwise.memory import MemoryEstimate, estimate_memory
 from shardwise.pipeline import Pipeline, pipeline
 from shardwise.policies import auto, by_class, by_size
 from shardwise.state import StepOutput, TrainState
@@ -42,6 +43,7 @@ __all__ = [
     "CONFIG_ENV_VAR",
     "Bundle",
     "Env",
+    "MemoryEstimate",
     "Pipeline",
     "Plan",
     "StepOutput",
@@ -57,7 +59,10 @@ __all__ = [
     "detect",
     "distribute_data",
     "ensure_process_group",
+    "estimate_memory",
     "errors",
+    "policies",
+    "testing",
     "mixed_precision",
     "offload",
     "pipeline",

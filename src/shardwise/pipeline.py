@@ -11,6 +11,7 @@ import torch
 
 from shardwise._params import refuse_state
 from shardwise.bundle import Bundle, LossFn, OnNonFinite, Plan
+from shardwise.choice import SAFE_FRACTION, choose_distribution, sample_batch
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env, detect
 from shardwise.errors import ConflictError
@@ -19,7 +20,6 @@ from shardwise.transforms.distribute_data import DistributeData, distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, check_precision, mixed_precision
 from shardwise.transforms.offload import Offload
 from shardwise.transforms.place import Place, place
-from shardwise.transforms.replicate import replicate
 from shardwise.transforms.shard import Shard
 from shardwise.transforms.shard_optimizer import ShardOptimizer
 
@@ -37,10 +37,6 @@ class Step:
 def _defaults(env: Env, given: list[Transform]) -> list[Step]:
     """The transforms the env calls for that the user did not give, each with its reason."""
     chosen: list[Step] = []
-    stages = {t.stage for t in given}
-    if env.is_distributed and Stage.DISTRIBUTION not in stages:
-        chosen.append(Step(replicate(), f"default: {env.world_size} processes and no "
-                                        "distribution transform given"))
     if not any(isinstance(t, MixedPrecision) for t in given):
         if env.device.type == "cuda" and "bf16" in env.precisions:
             chosen.append(Step(mixed_precision("bf16"),
@@ -91,14 +87,42 @@ class Pipeline:
     env: Env
     steps: tuple[Step, ...]
     on_nonfinite: OnNonFinite = "raise"
+    choose_distribution: bool = False
+
+    def resolve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                *, batch: Any = None) -> Pipeline:
+        """This pipeline with its default distribution chosen for ``model``.
+
+        With several processes and no distribution transform given, replicate while the
+        replicated state and activations fit in a safe share of device memory, else shard,
+        else shard + checkpoint_activations, else also offload; the reason, with the
+        estimated bytes, shows in :meth:`explain`. Otherwise the pipeline itself.
+
+        Args:
+            model: the model to estimate.
+            optimizer: its optimizer (its state layout counts; default AdamW's).
+            batch: a sample micro-batch for the activation estimate.
+        """
+        if not self.choose_distribution:
+            return self
+        given = [s.transform for s in self.steps]
+        extra, reason = choose_distribution(self.env, given, model, optimizer, batch)
+        steps = [*self.steps, *(Step(t, reason) for t in extra)]
+        steps.sort(key=lambda s: s.transform.stage)
+        return attrs.evolve(self, steps=tuple(steps), choose_distribution=False)
 
     @property
     def transforms(self) -> tuple[Transform, ...]:
         """The transforms in the order they are applied."""
         return tuple(s.transform for s in self.steps)
 
-    def explain(self) -> str:
-        """What the pipeline will do, stage by stage, with each setting and why defaults were chosen."""
+    def explain(self, model: torch.nn.Module | None = None,
+                optimizer: torch.optim.Optimizer | None = None, *, batch: Any = None) -> str:
+        """What the pipeline will do, stage by stage, with each setting and why defaults were
+        chosen; given a model, the default distribution is chosen for it first (:meth:`resolve`).
+        """
+        if model is not None:
+            return self.resolve(model, optimizer, batch=batch).explain()
         env = self.env
         lines = [f"shardwise pipeline: {env.world_size} process(es) ({env.launcher}), "
                  f"rank {env.rank}, device {env.device}, backend {env.backend}"]
@@ -107,6 +131,11 @@ class Pipeline:
             why = f"  [{step.reason}]" if step.reason and step.reason != "always" else ""
             lines.append(f"  {i}. {t.stage.name.lower():<12} {t!r}{why}")
             lines.append(f"     {'':<12} -> {t.describe(env)}")
+        if self.choose_distribution:
+            lines.append(f"  distribution: chosen per model when called ({env.world_size} "
+                         "processes, none given): replicate if it fits in "
+                         f"{SAFE_FRACTION:.0%} of device memory, else shard, else shard + "
+                         "checkpoint_activations, else also offload; explain(model) shows it")
         lines.append(f"  non-finite loss/gradient in fp32/bf16: {self.on_nonfinite}")
         return "\n".join(lines)
 
@@ -125,10 +154,11 @@ class Pipeline:
             raise TypeError(f"pipeline(...)(model, ...) needs a torch.nn.Module "
                             f"(got {type(model).__name__})")
         refuse_state(optimizer)
+        resolved = self.resolve(model, optimizer, batch=sample_batch(loader))
         ensure_process_group(self.env)
         bundle = Bundle(model=model, optimizer=optimizer, loader=loader, scheduler=scheduler,
                         env=self.env, plan=Plan(on_nonfinite=self.on_nonfinite), loss_fn=loss_fn)
-        for transform in self.transforms:
+        for transform in resolved.transforms:
             bundle = transform(bundle)
         return bundle
 
@@ -169,4 +199,6 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
     _check(transforms, env)
     steps = [Step(t) for t in transforms] + _defaults(env, transforms)
     steps.sort(key=lambda s: s.transform.stage)  # stable: user order kept within a stage
-    return Pipeline(env=env, steps=tuple(steps), on_nonfinite=on_nonfinite)
+    choose = env.is_distributed and not any(t.stage == Stage.DISTRIBUTION for t in transforms)
+    return Pipeline(env=env, steps=tuple(steps), on_nonfinite=on_nonfinite,
+                    choose_distribution=choose)

@@ -1,0 +1,88 @@
+# The default distribution for a model: replicate if it fits, else shard, checkpoint, offload.
+"""How a pipeline with no distribution transform chooses one, from the memory estimate."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from shardwise.env import Env
+from shardwise.errors import PolicyError
+from shardwise.memory import estimate_memory
+from shardwise.transforms.base import Transform
+from shardwise.transforms.checkpoint_activations import (
+    CheckpointActivations,
+    checkpoint_activations,
+)
+from shardwise.transforms.offload import Offload, offload
+from shardwise.transforms.replicate import replicate
+from shardwise.transforms.shard import shard
+
+__all__ = ["SAFE_FRACTION", "choose_distribution", "sample_batch"]
+
+#: The share of device memory the default pipeline plans to fill.
+SAFE_FRACTION = 0.8
+_MIB = 2**20
+
+
+def budget(env: Env) -> int | None:
+    """Bytes one rank may plan to use: a safe share of its device (of host RAM split by the
+    node's ranks on a CPU), or None when the memory is unknown."""
+    if env.device_memory_bytes is None:
+        return None
+    share = env.local_world_size if env.device.type == "cpu" else 1
+    return int(env.device_memory_bytes * SAFE_FRACTION / share)
+
+
+def sample_batch(loader: Iterable[Any] | None) -> Any:
+    """The first batch of a map-style DataLoader, built without iterating it (no RNG use)."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None
+    if loader.batch_size is None:
+        return None
+    size = min(loader.batch_size, len(loader.dataset))  # type: ignore[arg-type]
+    return loader.collate_fn([loader.dataset[i] for i in range(size)])
+
+
+def _candidates(given: list[Transform]) -> list[tuple[str, list[Transform]]]:
+    has_ckpt = any(isinstance(t, CheckpointActivations) for t in given)
+    no_offload = any(isinstance(t, Offload) for t in given)
+    ckpt: list[Transform] = [] if has_ckpt else [checkpoint_activations()]
+    out: list[tuple[str, list[Transform]]] = [("replicate", [replicate()]), ("shard", [shard()])]
+    if ckpt:
+        out.append(("shard + checkpoint_activations", [shard(), *ckpt]))
+    if not no_offload:
+        out.append(("shard + checkpoint_activations + offload", [shard(), *ckpt, offload()]))
+    return out
+
+
+def choose_distribution(env: Env, given: list[Transform], model: nn.Module,
+                        optimizer: torch.optim.Optimizer | None,
+                        batch: Any) -> tuple[list[Transform], str]:
+    """The distribution transforms for ``model`` under ``env``, and the reason with numbers."""
+    limit = budget(env)
+    if limit is None:
+        return [replicate()], (f"default: {env.world_size} processes; device memory unknown, "
+                               "so replicate")
+    tried: list[str] = []
+    frugal: list[Transform] = [replicate()]
+    for name, extra in _candidates(given):
+        try:
+            estimate = estimate_memory(model, [*given, *extra], env, batch=batch,
+                                       optimizer=optimizer)
+        except PolicyError:
+            tried.append(f"{name}: no blocks to shard")
+            continue
+        need = estimate.total_bytes
+        tried.append(f"{name} needs {need / _MIB:.1f} MiB")
+        frugal = extra
+        if need <= limit:
+            return extra, (f"default: {'; '.join(tried)} per rank, within "
+                           f"{SAFE_FRACTION:.0%} of {env.device} memory "
+                           f"({limit / _MIB:.1f} MiB per rank)")
+    return frugal, (f"default: {'; '.join(tried)} per rank; none fits in {limit / _MIB:.1f} MiB "
+                    "per rank, so the most frugal is used")

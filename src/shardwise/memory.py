@@ -1,0 +1,234 @@
+# Per-rank memory estimate: parameters, gradients, optimizer state, activations, working set.
+"""``estimate_memory``: how many bytes each rank needs under a pipeline."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_map
+
+from shardwise.env import Env, Precision
+from shardwise.policies import Policy, auto, select
+from shardwise.transforms.base import Transform
+from shardwise.transforms.checkpoint_activations import CheckpointActivations
+from shardwise.transforms.mixed_precision import MixedPrecision, compute_dtype
+from shardwise.transforms.offload import Offload
+from shardwise.transforms.shard import Shard
+from shardwise.transforms.shard_optimizer import ShardOptimizer
+
+if TYPE_CHECKING:
+    from shardwise.pipeline import Pipeline
+
+__all__ = ["MemoryEstimate", "estimate_memory"]
+
+_MIB = 2**20
+
+
+@attrs.frozen
+class MemoryEstimate:
+    """Bytes one rank needs on its device. ``str()`` gives a table.
+
+    Attributes:
+        params_bytes: fp32 master parameters at rest (this rank's shard when sharded).
+        grads_bytes: gradients between backward and the optimizer step.
+        optimizer_bytes: optimizer state, from the optimizer's own state layout.
+        activations_bytes: tensors saved for backward for the sample batch (None: no batch,
+            or the model cannot run on the meta device).
+        working_bytes: parameters gathered for compute under shard (blocks in flight).
+        total_bytes: the sum of the above.
+        layout: what was estimated, e.g. "shard over 4 ranks + offload".
+    """
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int | None
+    working_bytes: int
+    total_bytes: int
+    layout: str
+
+    def __str__(self) -> str:
+        rows = [("parameters", self.params_bytes), ("gradients", self.grads_bytes),
+                ("optimizer state", self.optimizer_bytes),
+                ("activations", self.activations_bytes),
+                ("gathered for compute", self.working_bytes), ("total", self.total_bytes)]
+        lines = [f"per-rank memory ({self.layout})"]
+        for name, value in rows:
+            shown = "not measured" if value is None else f"{value / _MIB:10.2f} MiB"
+            lines.append(f"  {name:<22}{shown:>16}")
+        return "\n".join(lines)
+
+
+def _optimizer_layout(optimizer: torch.optim.Optimizer | None) -> tuple[float, float]:
+    """(bytes per parameter element, bytes per parameter tensor) of the optimizer's state,
+    measured by stepping a copy of its class on two probe tensors. Default: AdamW."""
+    cls = type(optimizer) if optimizer is not None else torch.optim.AdamW
+    defaults = dict(optimizer.defaults) if optimizer is not None else {}
+    sizes = []
+    for numel in (1024, 2048):
+        probe = nn.Parameter(torch.zeros(numel))
+        try:
+            probe_opt = cls([probe], **{k: v for k, v in defaults.items()
+                                        if k not in ("params", "decoupled_weight_decay")})
+            probe.grad = torch.zeros(numel)
+            probe_opt.step()
+        except Exception:  # an optimizer that needs a closure or more: assume AdamW's layout
+            return 8.0, 4.0
+        sizes.append(sum(v.numel() * v.element_size() for v in probe_opt.state[probe].values()
+                         if isinstance(v, torch.Tensor)))
+    per_element = (sizes[1] - sizes[0]) / 1024
+    return per_element, sizes[0] - per_element * 1024
+
+
+def _shard_numel(param: torch.Tensor, ranks: int) -> int:
+    """Elements of the largest shard of ``param`` when FSDP2 splits dim 0 over ``ranks``."""
+    if param.ndim == 0:
+        return 1
+    rest = param.numel() // max(param.shape[0], 1)
+    return math.ceil(param.shape[0] / ranks) * rest
+
+
+def _to_meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+@contextlib.contextmanager
+def _block_meter(blocks: list[nn.Module], counter: list[int],
+                 per_block: list[tuple[int, int]]) -> Iterator[None]:
+    """Record (bytes saved inside, input bytes) for each block's forward."""
+    handles = []
+    for block in blocks:
+        start: dict[str, int] = {}
+
+        def pre(module: nn.Module, args: tuple[Any, ...], start: dict[str, int] = start) -> None:
+            start["saved"] = counter[0]
+            start["inputs"] = sum(a.numel() * a.element_size() for a in args
+                                  if isinstance(a, torch.Tensor))
+
+        def post(module: nn.Module, args: Any, out: Any, start: dict[str, int] = start) -> None:
+            per_block.append((counter[0] - start["saved"], start["inputs"]))
+
+        handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _activations(model: nn.Module, batch: Any, precision: Precision,
+                 checkpointed: Policy | None) -> int | None:
+    """Bytes saved for backward by one forward of ``batch``, run on the meta device."""
+    dtype = compute_dtype(precision)
+    params = {n: torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else None)
+              .requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+    buffers = {n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()}
+    batch = tree_map(_to_meta, batch)
+    counter: list[int] = [0]
+    per_block: list[tuple[int, int]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        counter[0] += t.numel() * t.element_size()
+        return t
+
+    blocks = [m for _, m in select(checkpointed, model, user="estimate_memory")] \
+        if checkpointed is not None else []
+    try:
+        with _block_meter(blocks, counter, per_block), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if isinstance(batch, Mapping):
+                functional_call(model, {**params, **buffers}, (), dict(batch))
+            elif isinstance(batch, (tuple, list)):
+                functional_call(model, {**params, **buffers}, tuple(batch))
+            else:
+                functional_call(model, {**params, **buffers}, (batch,))
+    except Exception:  # data-dependent code cannot run on meta tensors
+        return None
+    if not per_block:
+        return counter[0]
+    inside = sum(saved for saved, _ in per_block)
+    kept_inputs = sum(inputs for _, inputs in per_block)
+    return counter[0] - inside + kept_inputs + max(saved for saved, _ in per_block)
+
+
+def _parts(pipeline: Pipeline | Sequence[Transform] | None) -> dict[type, Any]:
+    if pipeline is None:
+        return {}
+    transforms = pipeline if isinstance(pipeline, Sequence) else pipeline.transforms
+    return {type(t): t for t in transforms}
+
+
+def estimate_memory(model: nn.Module, pipeline: Pipeline | Sequence[Transform] | None = None,
+                    env: Env | None = None,
+                    *, batch: Any = None,
+                    optimizer: torch.optim.Optimizer | None = None) -> MemoryEstimate:
+    """Estimate the bytes each rank needs to train ``model`` under ``pipeline``.
+
+    Parameters and gradients are counted in fp32 (master weights), sharded as FSDP2 splits
+    dim 0 under ``shard()``; optimizer state follows the optimizer's own layout, measured by
+    stepping its class on a probe (default AdamW: two fp32 moments); activations are the
+    tensors saved for backward by a forward of ``batch`` (one rank's micro-batch) on the
+    meta device, in the plan's precision, reduced as ``checkpoint_activations`` would.
+
+    Args:
+        model: the model (not modified, nothing is allocated for it).
+        pipeline: the pipeline (or a list of transforms) to estimate; ``None`` means one
+            replica per rank.
+        env: defaults to the pipeline's env (or one process).
+        batch: a sample micro-batch, or tensors of its shapes.
+        optimizer: the optimizer to take the state layout from.
+
+    Example:
+        >>> print(sw.estimate_memory(model, sw.pipeline(env, sw.shard()), batch=batch))
+    """
+    if env is None:
+        env = getattr(pipeline, "env", None) or Env()
+    parts = _parts(pipeline)
+    shard, offload = parts.get(Shard), parts.get(Offload)
+    mp, ckpt = parts.get(MixedPrecision), parts.get(CheckpointActivations)
+    precision: Precision = mp.precision if mp is not None else "fp32"
+    sharded = shard is not None and env.is_distributed
+    ranks = (env.local_world_size if shard.replicate_across_nodes else env.world_size) \
+        if sharded and shard is not None else 1
+    params = [p for p in model.parameters()]
+    numels = [_shard_numel(p, ranks) if sharded else p.numel() for p in params]
+    param_bytes = sum(n * p.element_size() for n, p in zip(numels, params, strict=True))
+    per_element, per_tensor = _optimizer_layout(optimizer)
+    opt_bytes = int(sum(per_element * n + per_tensor for n in numels))
+    if ShardOptimizer in parts and env.is_distributed and not sharded:
+        opt_bytes = math.ceil(opt_bytes / env.world_size)
+    working = 0
+    if sharded and shard is not None:
+        item = compute_dtype(precision).itemsize
+        blocks = [m for _, m in select(shard.policy, model, user="estimate_memory")]
+        block_numel = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        root = sum(p.numel() for p in params if id(p) not in in_blocks)
+        gathered = sum(block_numel) if not shard.reshard_after_forward else \
+            2 * max(block_numel, default=0)
+        working = (root + gathered) * item
+    device_state = param_bytes * 2 + opt_bytes
+    if sharded and offload is not None and offload.cpu:
+        param_bytes, opt_bytes, device_state = 0, 0, 0
+    activations = None
+    if batch is not None:
+        activations = _activations(model, batch, precision,
+                                   (ckpt.policy or auto()) if ckpt is not None else None)
+    grads = param_bytes
+    total = device_state + (activations or 0) + working
+    layout = (f"shard over {ranks} ranks" if sharded else
+              f"replicated on {env.world_size} rank(s)")
+    if ShardOptimizer in parts and env.is_distributed and not sharded:
+        layout += " + sharded optimizer"
+    if sharded and offload is not None and offload.cpu:
+        layout += " + CPU offload"
+    if ckpt is not None:
+        layout += " + activation checkpointing"
+    return MemoryEstimate(param_bytes, grads, opt_bytes, activations, working, total, layout)

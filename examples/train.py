@@ -32,7 +32,9 @@ def main() -> None:
     loader = DataLoader(SyntheticTokens(size=512, seq_len=16), batch_size=args.batch_size,
                         shuffle=True, drop_last=True)
 
-    pipe = sw.pipeline(sw.detect(), sw.clip_gradients(1.0))
+    # resolve() makes the default choices for this model (replicate or shard, by memory)
+    pipe = sw.pipeline(sw.detect(), sw.clip_gradients(1.0)).resolve(model, optimizer,
+                                                                     loader=loader)
     bundle = pipe(model, optimizer, loader)
     env = bundle.env
     if env.is_main:

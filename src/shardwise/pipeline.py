@@ -90,7 +90,7 @@ class Pipeline:
     choose_distribution: bool = False
 
     def resolve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                *, batch: Any = None) -> Pipeline:
+                *, batch: Any = None, loader: Iterable[Any] | None = None) -> Pipeline:
         """This pipeline with its default distribution chosen for ``model``.
 
         With several processes and no distribution transform given, replicate while the
@@ -102,9 +102,17 @@ class Pipeline:
             model: the model to estimate.
             optimizer: its optimizer (its state layout counts; default AdamW's).
             batch: a sample micro-batch for the activation estimate.
+            loader: else the first batch of this DataLoader is built as the sample (the
+                pipeline call does the same with its loader).
+
+        Example:
+            >>> pipe = sw.pipeline(sw.detect()).resolve(model, optimizer, loader=loader)
+            >>> print(pipe.explain())
         """
         if not self.choose_distribution:
             return self
+        if batch is None:
+            batch = sample_batch(loader)
         given = [s.transform for s in self.steps]
         extra, reason = choose_distribution(self.env, given, model, optimizer, batch)
         steps = [*self.steps, *(Step(t, reason) for t in extra)]
@@ -117,12 +125,13 @@ class Pipeline:
         return tuple(s.transform for s in self.steps)
 
     def explain(self, model: torch.nn.Module | None = None,
-                optimizer: torch.optim.Optimizer | None = None, *, batch: Any = None) -> str:
+                optimizer: torch.optim.Optimizer | None = None, *, batch: Any = None,
+                loader: Iterable[Any] | None = None) -> str:
         """What the pipeline will do, stage by stage, with each setting and why defaults were
         chosen; given a model, the default distribution is chosen for it first (:meth:`resolve`).
         """
         if model is not None:
-            return self.resolve(model, optimizer, batch=batch).explain()
+            return self.resolve(model, optimizer, batch=batch, loader=loader).explain()
         env = self.env
         lines = [f"shardwise pipeline: {env.world_size} process(es) ({env.launcher}), "
                  f"rank {env.rank}, device {env.device}, backend {env.backend}"]
@@ -154,7 +163,7 @@ class Pipeline:
             raise TypeError(f"pipeline(...)(model, ...) needs a torch.nn.Module "
                             f"(got {type(model).__name__})")
         refuse_state(optimizer)
-        resolved = self.resolve(model, optimizer, batch=sample_batch(loader))
+        resolved = self.resolve(model, optimizer, loader=loader)
         ensure_process_group(self.env)
         bundle = Bundle(model=model, optimizer=optimizer, loader=loader, scheduler=scheduler,
                         env=self.env, plan=Plan(on_nonfinite=self.on_nonfinite), loss_fn=loss_fn)

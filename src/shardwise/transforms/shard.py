@@ -59,11 +59,12 @@ class Shard(Transform):
                                   if plan.offload else OffloadPolicy())
         options: dict[str, Any] = dict(
             mesh=self.mesh or build_mesh(env, self.replicate_across_nodes),
-            reshard_after_forward=self.reshard_after_forward,
             mp_policy=fsdp_policy(plan.precision), offload_policy=offload)
         for _, block in blocks:  # bottom-up: deepest first, then the root
-            fully_shard(block, **options)
-        fully_shard(model, **options)
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
+        # the root is needed again as soon as backward starts: keeping it gathered saves an
+        # all-gather per step (torch's own default for the root)
+        fully_shard(model, reshard_after_forward=False, **options)
         rebind_optimizer(bundle.optimizer, names, model)
         return bundle
 
@@ -86,7 +87,7 @@ def shard(policy: Policy | None = None, *, reshard_after_forward: bool = True,
     """Shard parameters, gradients and optimizer state across ranks with FSDP2 ``fully_shard``.
 
     ``fully_shard`` is applied to each block the policy selects, deepest first, then to the
-    root; the module changes in place and the bundle's optimizer is re-bound to the sharded
+    root (whose parameters stay gathered from forward to backward, as torch recommends); the module changes in place and the bundle's optimizer is re-bound to the sharded
     parameters (same object, same groups). Precision comes from the plan as FSDP2's
     ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)``: master weights stay
     fp32 and no autocast runs. In one process it is a no-op.

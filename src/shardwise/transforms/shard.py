@@ -87,7 +87,8 @@ def shard(policy: Policy | None = None, *, reshard_after_forward: bool = True,
     """Shard parameters, gradients and optimizer state across ranks with FSDP2 ``fully_shard``.
 
     ``fully_shard`` is applied to each block the policy selects, deepest first, then to the
-    root (whose parameters stay gathered from forward to backward, as torch recommends); the module changes in place and the bundle's optimizer is re-bound to the sharded
+    root (whose parameters stay gathered from forward to backward, as torch recommends);
+    the module changes in place and the bundle's optimizer is re-bound to the sharded
     parameters (same object, same groups). Precision comes from the plan as FSDP2's
     ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)``: master weights stay
     fp32 and no autocast runs. In one process it is a no-op.

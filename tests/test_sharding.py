@@ -192,8 +192,26 @@ def test_per_rank_state_bytes_shrink_at_two_ranks(two, references):
         check_sharded_bytes(rank["bytes"], references["bytes"], 2)
 
 
+def hybrid(steps):
+    """HSDP on 4 ranks posing as 2 nodes of 2: shard within a node, replicate across."""
+    env = sw.detect()
+    nodes = sw.detect(num_nodes=2, local_world_size=2, node_rank=env.rank // 2,
+                      local_rank=env.rank % 2)
+    model, opt = make()
+    loader = DataLoader(SyntheticTokens(size=512, seq_len=8), batch_size=GLOBAL_BATCH // 4,
+                        shuffle=True)
+    bundle = sw.pipeline(nodes, sw.shard(replicate_across_nodes=True))(model, opt, loader)
+    state, batches = bundle.init(), iter(bundle.loader)
+    for _ in range(steps):
+        state, _ = bundle.step(state, next(batches))
+    mesh = next(p for p in bundle.model.parameters()).device_mesh
+    return {"params": full_state(bundle.model), "mesh": tuple(mesh.shape),
+            "local": next(p for p in bundle.model.parameters()).to_local().shape}
+
+
 def four_rank_cases(world_size):
-    return {"bytes": state_bytes([sw.shard()]), "shard": train([sw.shard()], GLOBAL_BATCH // 4, STEPS)}
+    return {"bytes": state_bytes([sw.shard()]), "shard": train([sw.shard()], GLOBAL_BATCH // 4, STEPS),
+            "hybrid": hybrid(STEPS)}
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +232,10 @@ def test_default_pipeline_shards_when_replicas_would_not_fit(two, references):
         assert "shard needs" in result["explain"] and "replicate needs" in result["explain"]
         assert result["need"][1] < result["need"][0]
     assert max_param_diff(two[0]["default"]["params"], references["shard"]["params"]) <= 1e-5
+
+
+def test_hybrid_sharding_on_a_two_by_two_mesh(four, references):
+    result = four[0]["hybrid"]
+    assert result["mesh"] == (2, 2)
+    assert result["local"][0] == 16  # the 32-row embedding, sharded over the 2 ranks of a node
+    assert max_param_diff(result["params"], references["shard"]["params"]) <= 1e-5

@@ -2,7 +2,9 @@
 """Measured and estimated per-rank bytes for several pipelines, side by side in one run.
 
 Measured: this rank's parameters, gradients and optimizer state after a step and a
-backward (local shards under shard), and the bytes saved for backward by one forward.
+backward (local shards under shard), and the distinct non-parameter tensors one forward
+saves for backward (the estimate adds one block's recompute under checkpointing, the peak
+of backward, which a forward alone does not show).
 Estimated: ``sw.estimate_memory`` for the same pipeline and batch. On a CPU-only machine
 offloading moves nothing (the device is the host), so its measured bytes equal shard's;
 the estimate gives the accelerator bytes it would free.
@@ -43,9 +45,17 @@ def measure(parts: list[sw.Transform]) -> dict[str, float]:
     bundle = sw.pipeline(sw.detect(), *parts)(model, opt)
     state, _ = bundle.step(bundle.init(), batch)
     saved = [0]
+    # distinct storages, parameters excluded: what the forward keeps alive for backward
+    seen: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[0] += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        # FSDP2 registers the gathered parameters on the modules during their forward
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()
+                   if not isinstance(p, DTensor)}
+        if storage.data_ptr() not in seen and storage.data_ptr() not in weights:
+            seen.add(storage.data_ptr())
+            saved[0] += storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

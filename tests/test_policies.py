@@ -21,6 +21,32 @@ def test_auto_picks_the_repeated_blocks_of_module_lists():
     assert candidate_blocks(model) == ["TinyDecoderBlock"]
 
 
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+
+class MoELayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(Expert() for _ in range(3))
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.enc = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.dec = nn.ModuleList(MoELayer() for _ in range(2))
+
+
+def test_auto_picks_the_outermost_layer_stacks_only():
+    model = EncoderDecoder()
+    assert names(sw.auto(), model) == ["enc.0", "enc.1", "dec.0", "dec.1"]  # not the experts,
+    assert candidate_blocks(model) == ["Linear", "MoELayer"]  # nor the unrelated body Linear
+
+
 def test_auto_prefers_transformers_no_split_modules():
     model = TinyTransformerLM(layers=2)
     model._no_split_modules = ["MultiheadAttention"]
@@ -64,6 +90,8 @@ def test_a_policy_that_selects_nothing_lists_candidates():
     (lambda: sw.by_size(0), "'min_params' must be an integer >= 1 (got 0)"),
     (lambda: sw.shard(reshard_after_forward="no"), "'reshard_after_forward' must be a bool"),
     (lambda: sw.offload(cpu=1), "'cpu' must be a bool (got 1)"),
+    (lambda: sw.shard("TinyDecoderBlock"), "write by_class('TinyDecoderBlock')"),
+    (lambda: sw.checkpoint_activations(3), "a policy must be auto(), by_class(...)"),
 ])
 def test_factories_refuse_bad_options(make, message):
     with pytest.raises((TypeError, ValueError)) as info:
@@ -139,6 +167,45 @@ def test_checkpointed_training_equals_plain_training():
             state, _ = bundle.step(state, {"input_ids": ids, "labels": ids})
         results.append(model.state_dict())
     assert sw.testing.max_param_diff(*results) <= 1e-6
+
+
+def test_transforms_applied_by_hand_out_of_order_are_refused():
+    bundle = sw.Bundle(TinyTransformerLM(), env=ONE)
+    bundle = sw.shard()(bundle)
+    with pytest.raises(ConflictError) as info:
+        sw.mixed_precision("bf16")(bundle)
+    msg = str(info.value)
+    assert "mixed_precision(precision='bf16') (settings) cannot be applied after shard(" in msg
+    assert "settings, surgery, distribution, placement, optimizer, data" in msg
+
+
+def test_estimate_counts_buffers_frozen_parameters_and_accumulated_gradients():
+    model = TinyTransformerLM(dim=16, layers=2)
+    model.register_buffer("table", torch.zeros(1000))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.head.weight.requires_grad_(True)
+    est = sw.estimate_memory(model)
+    all_params = sum(p.numel() for p in model.parameters()) * 4
+    assert est.params_bytes == all_params + 4000
+    assert est.grads_bytes == model.head.weight.numel() * 4
+    assert est.optimizer_bytes == model.head.weight.numel() * 8 + 4  # AdamW: two moments, step
+    two = sw.Env(world_size=2, local_world_size=2)
+    full = TinyTransformerLM(dim=16, layers=2)
+    grads = [sw.estimate_memory(full, parts, two).grads_bytes for parts in (
+        [sw.shard()], [sw.shard(), sw.accumulate_gradients(4)],
+        [sw.shard(sync_each_batch=True), sw.accumulate_gradients(4)])]
+    unsharded = sum(p.numel() for p in full.parameters()) * 4
+    assert grads[1] == unsharded and grads[0] == grads[2] < 0.6 * unsharded
+
+
+def test_offload_frees_device_bytes_only_off_the_host():
+    model = TinyTransformerLM(dim=16, layers=2)
+    for device, freed in (("cpu", False), ("meta", True)):
+        env = sw.Env(world_size=2, local_world_size=2, device=device)
+        with_offload = sw.estimate_memory(model, [sw.shard(), sw.offload()], env)
+        without = sw.estimate_memory(model, [sw.shard()], env)
+        assert (with_offload.total_bytes < without.total_bytes) == freed
 
 
 def test_checkpointing_twice_is_refused():

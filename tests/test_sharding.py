@@ -109,6 +109,9 @@ PARITY = {
                                    [sw.accumulate_gradients(2)]),
     "shard_clip": ([sw.shard(), sw.clip_gradients(0.05)], [sw.clip_gradients(0.05)]),
     "replicate_shard_optimizer": ([sw.replicate(), sw.shard_optimizer()], []),
+    "replicate_checkpoint": ([sw.replicate(), sw.checkpoint_activations()], []),
+    "shard_zero2_checkpoint": ([sw.shard(reshard_after_forward=False),
+                                sw.checkpoint_activations()], []),
     "shard_bf16": ([sw.shard(), sw.mixed_precision("bf16")], []),
     "seed": ([sw.shard(sw.by_class("TinyDecoderBlock"), reshard_after_forward=True),
               sw.mixed_precision("bf16"), sw.checkpoint_activations(sw.by_class(TinyDecoderBlock)),
@@ -143,7 +146,8 @@ FP32_CASES = [n for n in PARITY if n not in ("shard_bf16", "seed")]
 @pytest.mark.parametrize("name", FP32_CASES)
 def test_fp32_parity_with_one_process_after_10_steps(two, references, name):
     result = two[0][name]
-    assert max_param_diff(result["params"], two[1][name]["params"]) == 0.0
+    if not result["model_type"].startswith("FSDP"):  # gathered shards agree by construction
+        assert max_param_diff(result["params"], two[1][name]["params"]) == 0.0
     diff = max_param_diff(result["params"], references[name]["params"])
     assert diff <= 1e-5, diff
     moved = max_param_diff(result["params"], train([], GLOBAL_BATCH, 0)["params"])
@@ -151,16 +155,19 @@ def test_fp32_parity_with_one_process_after_10_steps(two, references, name):
 
 
 # FSDP2 bf16 (parameters cast to bf16 for compute, fp32 reductions and master weights) against
-# the fp32 single-process run. Measured: shard_bf16 and the seed pipeline about 1e-2 after 10
-# AdamW steps at lr 3e-3, while the weights moved about 3e-2.
-BF16_TOLERANCE = 3e-2
+# the fp32 single-process run after 10 AdamW steps at lr 3e-3. Measured: shard_bf16 6.2e-3,
+# the seed pipeline 6.2e-3, while the weights moved 4.1e-2 from their start.
+BF16_TOLERANCE = 1.5e-2
 
 
 @pytest.mark.parametrize("name", ["shard_bf16", "seed"])
 def test_bf16_sharded_within_tolerance_of_fp32(two, references, name):
     result = two[0][name]
     assert all(v.dtype == torch.float32 for v in result["params"].values())
-    assert max_param_diff(result["params"], references[name]["params"]) <= BF16_TOLERANCE
+    diff = max_param_diff(result["params"], references[name]["params"])
+    assert diff <= BF16_TOLERANCE, diff
+    assert diff > 0  # bf16 compute really ran
+    assert max_param_diff(result["params"], train([], GLOBAL_BATCH, 0)["params"]) > 2 * BF16_TOLERANCE
 
 
 def test_seed_pipeline_trains_and_its_loss_falls(two):
@@ -209,9 +216,14 @@ def hybrid(steps):
             "local": next(p for p in bundle.model.parameters()).to_local().shape}
 
 
+FOUR_RANK_CASES = ["shard", "shard_checkpoint", "shard_offload", "shard_accumulate",
+                   "replicate_shard_optimizer"]
+
+
 def four_rank_cases(world_size):
-    return {"bytes": state_bytes([sw.shard()]), "shard": train([sw.shard()], GLOBAL_BATCH // 4, STEPS),
-            "hybrid": hybrid(STEPS)}
+    out = {name: train(PARITY[name][0], GLOBAL_BATCH // 4, STEPS) for name in FOUR_RANK_CASES}
+    out.update(bytes=state_bytes([sw.shard()]), hybrid=hybrid(STEPS))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +234,9 @@ def four():
 def test_four_ranks_shard_parity_and_memory(four, references):
     for rank in four:
         check_sharded_bytes(rank["bytes"], references["bytes"], 4)
-    assert max_param_diff(four[0]["shard"]["params"], references["shard"]["params"]) <= 1e-5
+    for name in FOUR_RANK_CASES:
+        diff = max_param_diff(four[0][name]["params"], references[name]["params"])
+        assert diff <= 1e-5, (name, diff)
 
 
 def test_default_pipeline_shards_when_replicas_would_not_fit(two, references):

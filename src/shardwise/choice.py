@@ -48,9 +48,10 @@ def sample_batch(loader: Iterable[Any] | None) -> Any:
     return loader.collate_fn([loader.dataset[i] for i in range(size)])
 
 
-def _candidates(given: list[Transform]) -> list[tuple[str, list[Transform]]]:
+def _candidates(env: Env, given: list[Transform]) -> list[tuple[str, list[Transform]]]:
     has_ckpt = any(isinstance(t, CheckpointActivations) for t in given)
-    no_offload = any(isinstance(t, Offload) for t in given)
+    # offloading to the host frees nothing when the device is the host
+    no_offload = any(isinstance(t, Offload) for t in given) or env.device.type == "cpu"
     ckpt: list[Transform] = [] if has_ckpt else [checkpoint_activations()]
     out: list[tuple[str, list[Transform]]] = [("replicate", [replicate()]), ("shard", [shard()])]
     if ckpt:
@@ -70,7 +71,7 @@ def choose_distribution(env: Env, given: list[Transform], model: nn.Module,
                                "so replicate")
     tried: list[str] = []
     frugal: list[Transform] = [replicate()]
-    for name, extra in _candidates(given):
+    for name, extra in _candidates(env, given):
         try:
             estimate = estimate_memory(model, [*given, *extra], env, batch=batch,
                                        optimizer=optimizer)

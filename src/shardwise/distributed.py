@@ -7,6 +7,7 @@ import atexit
 import datetime
 import logging
 
+import torch
 import torch.distributed as dist
 
 from shardwise.env import Env
@@ -67,6 +68,8 @@ def ensure_process_group(env: Env) -> None:
                 "set MASTER_ADDR and MASTER_PORT, or pass them to detect()")
         init_method = f"tcp://{env.master_addr}:{env.master_port}"
     device_id = env.device if env.device.type in ("cuda", "xpu") else None
+    if env.device.type == "cuda":  # DeviceMesh and fully_shard place on the current device
+        torch.cuda.set_device(env.device)
     log.info("joining process group: rank %d of %d, backend %s, %s",
              env.rank, env.world_size, env.backend, init_method)
     dist.init_process_group(

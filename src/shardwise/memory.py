@@ -15,7 +15,8 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
 from shardwise.env import Env, Precision
-from shardwise.policies import Policy, auto, select
+from shardwise.policies import Policy, select
+from shardwise.transforms.accumulate_gradients import AccumulateGradients
 from shardwise.transforms.base import Transform
 from shardwise.transforms.checkpoint_activations import CheckpointActivations
 from shardwise.transforms.mixed_precision import MixedPrecision, compute_dtype
@@ -36,11 +37,14 @@ class MemoryEstimate:
     """Bytes one rank needs on its device. ``str()`` gives a table.
 
     Attributes:
-        params_bytes: fp32 master parameters at rest (this rank's shard when sharded).
-        grads_bytes: gradients between backward and the optimizer step.
+        params_bytes: fp32 master parameters at rest (this rank's shard when sharded), and
+            buffers.
+        grads_bytes: gradients between backward and the optimizer step (unsharded while
+            ``accumulate_gradients`` under ``shard()`` skips reduction, unless
+            ``sync_each_batch``).
         optimizer_bytes: optimizer state, from the optimizer's own state layout.
-        activations_bytes: tensors saved for backward for the sample batch (None: no batch,
-            or the model cannot run on the meta device).
+        activations_bytes: distinct tensors saved for backward for the sample batch, other
+            than parameters (None: no batch, or the model cannot run on the meta device).
         working_bytes: parameters gathered for compute under shard (blocks in flight).
         total_bytes: the sum of the above.
         layout: what was estimated, e.g. "shard over 4 ranks + offload".
@@ -133,9 +137,14 @@ def _activations(model: nn.Module, batch: Any, precision: Precision,
     batch = tree_map(_to_meta, batch)
     counter: list[int] = [0]
     per_block: list[tuple[int, int]] = []
+    # storages are told apart by their C handle; parameters and buffers are not activations
+    seen = {t.untyped_storage()._cdata for t in (*params.values(), *buffers.values())}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        counter[0] += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            counter[0] += storage.nbytes()
         return t
 
     blocks = [m for _, m in select(checkpointed, model, user="estimate_memory")] \
@@ -191,44 +200,68 @@ def estimate_memory(model: nn.Module, pipeline: Pipeline | Sequence[Transform] |
     if env is None:
         env = getattr(pipeline, "env", None) or Env()
     parts = _parts(pipeline)
-    shard, offload = parts.get(Shard), parts.get(Offload)
-    mp, ckpt = parts.get(MixedPrecision), parts.get(CheckpointActivations)
+    shard, ckpt = parts.get(Shard), parts.get(CheckpointActivations)
+    mp = parts.get(MixedPrecision)
     precision: Precision = mp.precision if mp is not None else "fp32"
     sharded = shard is not None and env.is_distributed
-    ranks = (env.local_world_size if shard.replicate_across_nodes else env.world_size) \
-        if sharded and shard is not None else 1
-    params = [p for p in model.parameters()]
-    numels = [_shard_numel(p, ranks) if sharded else p.numel() for p in params]
-    param_bytes = sum(n * p.element_size() for n, p in zip(numels, params, strict=True))
-    per_element, per_tensor = _optimizer_layout(optimizer)
-    opt_bytes = int(sum(per_element * n + per_tensor for n in numels))
-    if ShardOptimizer in parts and env.is_distributed and not sharded:
-        opt_bytes = math.ceil(opt_bytes / env.world_size)
-    working = 0
+    ranks = 1
     if sharded and shard is not None:
-        item = compute_dtype(precision).itemsize
-        blocks = [m for _, m in select(shard.policy, model, user="estimate_memory")]
-        block_numel = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        in_blocks = {id(p) for b in blocks for p in b.parameters()}
-        root = sum(p.numel() for p in params if id(p) not in in_blocks)
-        gathered = sum(block_numel) if not shard.reshard_after_forward else \
-            2 * max(block_numel, default=0)
-        working = (root + gathered) * item
-    device_state = param_bytes * 2 + opt_bytes
-    if sharded and offload is not None and offload.cpu:
-        param_bytes, opt_bytes, device_state = 0, 0, 0
+        ranks = env.local_world_size if shard.replicate_across_nodes else env.world_size
+    params, grads, opt = _state_bytes(model, parts, env, ranks, optimizer)
+    working = _working_bytes(model, shard, precision) if sharded and shard is not None else 0
     activations = None
     if batch is not None:
         activations = _activations(model, batch, precision,
-                                   (ckpt.policy or auto()) if ckpt is not None else None)
-    grads = param_bytes
-    total = device_state + (activations or 0) + working
-    layout = (f"shard over {ranks} ranks" if sharded else
-              f"replicated on {env.world_size} rank(s)")
+                                   ckpt.policy if ckpt is not None else None)
+    layout = f"shard over {ranks} ranks" if sharded else f"replicated on {env.world_size} rank(s)"
     if ShardOptimizer in parts and env.is_distributed and not sharded:
         layout += " + sharded optimizer"
-    if sharded and offload is not None and offload.cpu:
+    if _offloads(parts, env):
         layout += " + CPU offload"
     if ckpt is not None:
         layout += " + activation checkpointing"
-    return MemoryEstimate(param_bytes, grads, opt_bytes, activations, working, total, layout)
+    total = params + grads + opt + (activations or 0) + working
+    return MemoryEstimate(params, grads, opt, activations, working, total, layout)
+
+
+def _offloads(parts: dict[type, Any], env: Env) -> bool:
+    """Whether offload frees device memory: it needs shard(), and a device that is not the host."""
+    offload = parts.get(Offload)
+    return (offload is not None and offload.cpu and Shard in parts and env.is_distributed
+            and env.device.type != "cpu")
+
+
+def _state_bytes(model: nn.Module, parts: dict[type, Any], env: Env, ranks: int,
+                 optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int]:
+    """Device bytes of parameters (and buffers), gradients and optimizer state on one rank."""
+    params = list(model.parameters())
+    trained = ({id(p) for g in optimizer.param_groups for p in g["params"]}
+               if optimizer is not None else {id(p) for p in params if p.requires_grad})
+    numel = {id(p): _shard_numel(p, ranks) if ranks > 1 else p.numel() for p in params}
+    param_bytes = sum(numel[id(p)] * p.element_size() for p in params)
+    param_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
+    grad_numel = [numel[id(p)] for p in params if id(p) in trained]
+    accumulate = parts.get(AccumulateGradients)
+    shard = parts.get(Shard)
+    if ranks > 1 and accumulate is not None and accumulate.steps > 1 and shard is not None \
+            and not shard.sync_each_batch:  # unsharded gradients accumulate between syncs
+        grad_numel = [p.numel() for p in params if id(p) in trained]
+    grad_bytes = sum(grad_numel) * 4
+    per_element, per_tensor = _optimizer_layout(optimizer)
+    opt_bytes = int(sum(per_element * numel[id(p)] + per_tensor for p in params
+                        if id(p) in trained))
+    if ShardOptimizer in parts and env.is_distributed and ranks == 1:
+        opt_bytes = math.ceil(opt_bytes / env.world_size)
+    if _offloads(parts, env):  # sharded parameters, gradients and the optimizer live on the host
+        return 0, 0, 0
+    return param_bytes, grad_bytes, opt_bytes
+
+
+def _working_bytes(model: nn.Module, shard: Shard, precision: Precision) -> int:
+    """Parameters gathered for compute under shard(): the root's and the blocks in flight."""
+    blocks = [m for _, m in select(shard.policy, model, user="estimate_memory")]
+    block_numel = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    gathered = 2 * max(block_numel, default=0) if shard.reshard_after_forward else sum(block_numel)
+    return (root + gathered) * compute_dtype(precision).itemsize

@@ -17,18 +17,40 @@ from torch import nn
 
 from shardwise.errors import PolicyError
 
-__all__ = ["Policy", "auto", "by_class", "by_size", "select", "candidate_blocks"]
+__all__ = [
+    "Policy", "auto", "by_class", "by_size", "select", "candidate_blocks", "repeated_blocks",
+    "check_policy",
+]
 
 #: ``(qualified_name, module) -> bool``
 Policy = Callable[[str, nn.Module], bool]
 
 
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of the model's outermost ``nn.ModuleList``s (its layer stacks).
+
+    Lists nested inside a block (e.g. a mixture-of-experts layer's experts) are not
+    outermost, so the blocks are the decoder layers, not the experts; an encoder and a
+    decoder stack both count.
+    """
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, nn.ModuleList):
+                found.extend((f"{path}.{i}", block) for i, block in child.named_children())
+            else:
+                visit(path, child)
+
+    visit("", model)
+    return found
+
+
 def candidate_blocks(model: nn.Module) -> list[str]:
-    """Class names of the repeated blocks inside the model's ``nn.ModuleList``s, most common first."""
-    counts: Counter[str] = Counter()
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            counts.update(type(child).__name__ for child in module)
+    """Class names of the model's repeated blocks (see :func:`repeated_blocks`), most common
+    first."""
+    counts = Counter(type(block).__name__ for _, block in repeated_blocks(model))
     return [name for name, _ in counts.most_common()]
 
 
@@ -59,6 +81,16 @@ class _ByClass:
 
 
 @attrs.frozen
+class _Modules:
+    """Exactly these modules (by identity): what auto() found in one model."""
+
+    ids: frozenset[int]
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return id(module) in self.ids
+
+
+@attrs.frozen
 class _BySize:
     min_params: int
 
@@ -70,8 +102,9 @@ class _BySize:
 
 
 def auto() -> Policy:
-    """A Transformers model's ``_no_split_modules`` when present, else the repeated blocks of
-    its ``nn.ModuleList``s (e.g. the decoder layers)."""
+    """A Transformers model's ``_no_split_modules`` when present, else the children of its
+    outermost ``nn.ModuleList``s: its layer stacks (decoder layers; encoder and decoder
+    layers; never the experts inside a layer)."""
     return _Auto()
 
 
@@ -103,14 +136,21 @@ def by_size(min_params: int) -> Policy:
     return _BySize(min_params)
 
 
+def check_policy(policy: object, user: str) -> None:
+    """Raise unless ``policy`` can be called as ``policy(name, module)``."""
+    if not callable(policy):
+        raise TypeError(f"{user}: a policy must be auto(), by_class(...), by_size(...) or a "
+                        f"callable (name, module) -> bool (got {policy!r}); for a class name "
+                        f"write by_class({policy!r})")
+
+
 def _resolve(policy: Policy, model: nn.Module) -> Policy:
     if not isinstance(policy, _Auto):
         return policy
     names = getattr(model, "_no_split_modules", None)
     if names:
         return _ByClass(tuple(names))
-    blocks = candidate_blocks(model)
-    return _ByClass((blocks[0],)) if blocks else _ByClass(("<no repeated blocks>",))
+    return _Modules(frozenset(id(block) for _, block in repeated_blocks(model)))
 
 
 def _by_size(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]]:
@@ -139,9 +179,7 @@ def select(policy: Policy, model: nn.Module, *, user: str) -> list[tuple[str, nn
     Raises:
         PolicyError: the policy selects nothing; the message lists the candidate block classes.
     """
-    if not callable(policy):
-        raise TypeError(f"{user}: a policy must be auto(), by_class(...), by_size(...) or a "
-                        f"callable (name, module) -> bool (got {policy!r})")
+    check_policy(policy, user)
     rule = _resolve(policy, model)
     if isinstance(rule, _BySize):
         chosen = _by_size(model, rule.min_params)

@@ -189,7 +189,8 @@ class TinyTransformerLM(nn.Module):
         x = self.embed(input_ids) + self.pos(positions)
         for layer in self.layers:
             x = layer(x)
-        logits = self.head(self.norm(x))
+        # a linear layer on 3-D input returns a view, which FSDP2 warns about for a root output
+        logits = self.head(self.norm(x)).clone()
         out = {"logits": logits}
         if labels is not None:
             out["loss"] = nn.functional.cross_entropy(

@@ -53,13 +53,20 @@ class Transform:
         """A new bundle whose plan records this transform (and ``plan_changes``).
 
         Raises:
-            ConflictError: a transform of the same kind was applied to this bundle already.
+            ConflictError: a transform of the same kind was applied to this bundle already,
+                or one of a later stage (the canonical order is checked here).
         """
         for earlier in bundle.plan.applied:
             if type(earlier) is type(self):
                 raise ConflictError(
                     f"{self!r} cannot be applied: {earlier!r} was applied to this bundle "
                     "already; apply each transform once, with the settings you want")
+            if earlier.stage > self.stage:
+                order = ", ".join(s.name.lower() for s in Stage)
+                raise ConflictError(
+                    f"{self!r} ({self.stage.name.lower()}) cannot be applied after {earlier!r} "
+                    f"({earlier.stage.name.lower()}): transforms apply in the order {order}; "
+                    "apply it first, or let sw.pipeline(...) order them")
         plan: Plan = attrs.evolve(bundle.plan, applied=(*bundle.plan.applied, self),
                                   **plan_changes)
         return attrs.evolve(bundle, plan=plan)

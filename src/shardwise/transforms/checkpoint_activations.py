@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from shardwise.bundle import Bundle
 from shardwise.env import Env
 from shardwise.errors import ConflictError
-from shardwise.policies import Policy, auto, select
+from shardwise.policies import Policy, auto, check_policy, select
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["CheckpointActivations", "checkpoint_activations"]
@@ -63,6 +63,8 @@ def checkpoint_activations(policy: Policy | None = None) -> CheckpointActivation
     Example:
         >>> pipe = sw.pipeline(sw.checkpoint_activations(sw.by_class("LlamaDecoderLayer")))
     """
+    if policy is not None:
+        check_policy(policy, "checkpoint_activations()")
     return CheckpointActivations(auto() if policy is None else policy)
 
 

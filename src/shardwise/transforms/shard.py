@@ -14,8 +14,8 @@ from shardwise._params import param_names, rebind_optimizer, refuse_state
 from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
-from shardwise.errors import ConflictError
-from shardwise.policies import Policy, auto, select
+from shardwise.errors import ConflictError, EnvError
+from shardwise.policies import Policy, auto, check_policy, select
 from shardwise.transforms.base import Stage, Transform
 from shardwise.transforms.mixed_precision import fsdp_policy
 
@@ -25,6 +25,14 @@ __all__ = ["Shard", "shard"]
 def build_mesh(env: Env, replicate_across_nodes: bool) -> DeviceMesh:
     """A 1-D mesh over all ranks, or (nodes, ranks per node) for hybrid sharding."""
     if replicate_across_nodes:
+        if env.num_nodes * env.local_world_size != env.world_size or \
+                env.rank != env.node_rank * env.local_world_size + env.local_rank:
+            raise EnvError(
+                f"shard(replicate_across_nodes=True) needs the same number of ranks on every "
+                f"node, numbered node by node (got world_size={env.world_size}, "
+                f"num_nodes={env.num_nodes}, local_world_size={env.local_world_size}, "
+                f"rank={env.rank}, node_rank={env.node_rank}, local_rank={env.local_rank}); "
+                "launch an equal number of processes per node, or pass your own mesh=")
         return init_device_mesh(env.device.type, (env.num_nodes, env.local_world_size),
                                 mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
@@ -109,6 +117,8 @@ def shard(policy: Policy | None = None, *, reshard_after_forward: bool = True,
     Example:
         >>> pipe = sw.pipeline(sw.shard(sw.by_class("LlamaDecoderLayer")), sw.mixed_precision("bf16"))
     """
+    if policy is not None:
+        check_policy(policy, "shard()")
     for name, value in (("reshard_after_forward", reshard_after_forward),
                         ("replicate_across_nodes", replicate_across_nodes),
                         ("sync_each_batch", sync_each_batch)):

@@ -229,9 +229,40 @@ def token_loss_f64(model, batch):
     return loss, COUNTS[-1]
 
 
+class Poisonable(TinyTransformerLM):
+    """Adds ``poison * extra[0]`` to the loss: a NaN poison makes only ``extra[0]``'s gradient
+    NaN, which after the reduce-scatter lies in rank 0's shard alone."""
+
+    def __init__(self):
+        super().__init__(vocab=32, dim=16, heads=2, layers=2)
+        self.extra = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, input_ids, labels, poison):
+        return {"loss": super().forward(input_ids, labels)["loss"] + poison * self.extra[0]}
+
+
+def nonfinite_sharded():
+    """A NaN in one rank's shard only: every rank must skip the step all the same."""
+    env = sw.detect()
+    torch.manual_seed(0)
+    model = Poisonable()
+    bundle = sw.pipeline(env, sw.shard(), on_nonfinite="skip")(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    gen = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 32, (2, 8), generator=gen),
+             "labels": torch.randint(0, 32, (2, 8), generator=gen), "poison": torch.tensor(0.0)}
+    poisoned = {**batch, "poison": torch.tensor(float("nan") if env.rank == 0 else 0.0)}
+    state, _ = bundle.step(bundle.init(), batch)
+    state, out = bundle.step(state, poisoned)
+    state, _ = bundle.step(state, batch)
+    return {"skipped": (state.skipped_steps, out.stepped),
+            "finite": all(bool(torch.isfinite(p.full_tensor()).all())
+                          for p in bundle.model.parameters())}
+
+
 def other_cases():
     return {"nonfinite": nonfinite_and_groups(), "data": data_shares(),
-            "resumed": resumed_static_graph_and_counts()}
+            "resumed": resumed_static_graph_and_counts(), "sharded_nan": nonfinite_sharded()}
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +330,7 @@ def test_static_graph_resumed_mid_run_and_counts_left_untouched(others):
         result = rank["resumed"]
         assert (result["state"].step, result["state"].micro_step) == (7, 14)
         assert result["counts"] == [result["expected"]] * 4
+
+
+def test_nan_in_one_ranks_shard_is_skipped_by_every_rank(others):
+    assert [r["sharded_nan"] for r in others] == [{"skipped": (1, False), "finite": True}] * 2

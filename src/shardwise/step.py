@@ -100,7 +100,6 @@ class Stepper:
         self.static_graph = bool(self.ddp is not None and self.ddp.static_graph)
         self.synced_once = False  # DDP's static graph needs one synchronised iteration first
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.sharded = any(isinstance(p, DTensor) for p in self.params)
         self.device = env.device
         # gradients arrive averaged over ranks when a wrapper synchronises them
         self.ranks = env.world_size if env.is_distributed and dist.is_initialized() else 1
@@ -167,8 +166,8 @@ class Stepper:
 
         Without clipping only finiteness is needed, and torch's fused check (the one
         GradScaler uses, with a scale of 1) gives it in one call. Reading the flag is the one
-        host sync of an optimizer step; every rank reads the same synchronised gradients, so
-        all ranks agree.
+        host sync of an optimizer step. Replicated gradients are the same on every rank, and
+        for sharded ones the check reduces the flag over the mesh, so all ranks agree.
         """
         plan = self.plan
         if plan.max_grad_norm is not None:
@@ -177,20 +176,16 @@ class Stepper:
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
             return norm, math.isfinite(norm.item())
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
-        if not grads and not self.sharded:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
             return None, True
-        device = grads[0].device if grads else self.device
+        device = _local(grads[0]).device
         if device not in self.flags:
             self.flags[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
         found_inf, unit = self.flags[device]
         found_inf.zero_()
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, unit)
-        if self.sharded:  # each rank saw only its shard: agree on the verdict
-            flag = found_inf.to(self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return None, flag.item() == 0
+        # on sharded (DTensor) gradients torch reduces the flag over the mesh: all ranks agree
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, unit)
         return None, found_inf.item() == 0
 
     def update(self, state: TrainState,

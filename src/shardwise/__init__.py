@@ -13,6 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from shardwise import errors, policies, testing
 from shardwise.bundle import Bundle, Plan
+from shardwise.checkpoint import latest_checkpoint, load, save
 from shardwise.data import to_device
 from shardwise.distributed import ensure_process_group
 from shardwise.env import CONFIG_ENV_VAR, Env, detect
@@ -59,6 +60,8 @@ __all__ = [
     "detect",
     "distribute_data",
     "ensure_process_group",
+    "latest_checkpoint",
+    "load",
     "estimate_memory",
     "errors",
     "policies",
@@ -68,6 +71,7 @@ __all__ = [
     "pipeline",
     "place",
     "replicate",
+    "save",
     "shard",
     "shard_optimizer",
     "to_device",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,7 +21,23 @@ from torch.utils.data import (
 from shardwise.env import Env
 from shardwise.errors import DataError
 
-__all__ = ["DeviceLoader", "to_device", "shard_loader"]
+__all__ = ["DeviceLoader", "ResumableSampler", "to_device", "shard_loader"]
+
+
+class ResumableSampler(DistributedSampler[Any]):
+    """A ``DistributedSampler`` that can start an epoch part-way, at sample ``start``.
+
+    Resuming mid-epoch draws the same permutation and skips the indices already used:
+    no sample is loaded twice.
+    """
+
+    start = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return super().__len__() - self.start
 
 
 def to_device(batch: Any, device: torch.device, *, non_blocking: bool = True) -> Any:
@@ -56,12 +73,34 @@ class DeviceLoader:
         self.epoch = 0
         self.batch_in_epoch = 0
         self._next_epoch = 0
+        self._resume_at = 0  # batches of the next epoch already consumed before a resume
         # batches on the CPU are already where they belong: no transfer at all
         self._move = device.type != "cpu"
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (for resuming)."""
         self._next_epoch = epoch
+
+    def resume(self, epoch: int, batch_in_epoch: int) -> None:
+        """Make the next iteration continue epoch ``epoch`` after ``batch_in_epoch`` batches.
+
+        The sampler starts part-way through the epoch's permutation; no batch is re-read.
+
+        Raises:
+            DataError: the loader's sampler cannot start mid-epoch.
+        """
+        if batch_in_epoch and not isinstance(self.sampler, ResumableSampler):
+            raise DataError(
+                f"cannot resume mid-epoch (batch {batch_in_epoch} of epoch {epoch}): the "
+                f"loader's sampler is a {type(self.sampler).__name__}, which cannot start "
+                "part-way; let shardwise build the sampler (shuffle=True/False), or save at "
+                "epoch ends")
+        self._next_epoch, self._resume_at = epoch, batch_in_epoch
+
+    @property
+    def seed(self) -> int | None:
+        """The sampler's shuffling seed, when it has one."""
+        return getattr(self.sampler, "seed", None)
 
     @property
     def sampler(self) -> Any:
@@ -73,10 +112,15 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
-        self.batch_in_epoch = 0
+        self.batch_in_epoch, self._resume_at = self._resume_at, 0
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if set_epoch is not None:
             set_epoch(self.epoch)
+        if isinstance(self.sampler, ResumableSampler):
+            self.sampler.start = self.batch_in_epoch * (getattr(self.loader, "batch_size", 1) or 1)
+            generator = getattr(self.loader, "generator", None)
+            if generator is not None:  # worker seeds depend on (seed, epoch) only
+                generator.manual_seed(self.sampler.seed * 1_000_003 + self.epoch)
         device, non_blocking = self.device, self.non_blocking
         for batch in self.loader:
             if self._move:
@@ -131,7 +175,7 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
             raise DataError(problem)
         return loader
     assert isinstance(loader, DataLoader)
-    sampler: DistributedSampler[Any] = DistributedSampler(
+    sampler = ResumableSampler(
         loader.dataset, num_replicas=env.world_size, rank=env.rank,
         shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last)
     extra: dict[str, Any] = {}
@@ -147,5 +191,9 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
         num_workers=loader.num_workers, collate_fn=loader.collate_fn,
         pin_memory=pin_memory or loader.pin_memory, drop_last=loader.drop_last,
         timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        multiprocessing_context=loader.multiprocessing_context,
+        # the loader's own generator (seeded per epoch by DeviceLoader) rather than torch's
+        # global one: starting an epoch then draws nothing from the RNG the model uses, so a
+        # resumed run consumes random numbers exactly as an uninterrupted one
+        generator=loader.generator if loader.generator is not None else torch.Generator(),
         **extra)

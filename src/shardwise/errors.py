@@ -18,6 +18,7 @@ __all__ = [
     "DataError",
     "RankFailedError",
     "PolicyError",
+    "CheckpointError",
 ]
 
 
@@ -59,3 +60,7 @@ class RankFailedError(ShardwiseError, RuntimeError):
 
 class PolicyError(ShardwiseError, ValueError):
     """A module-selection policy selected nothing in the model."""
+
+
+class CheckpointError(ShardwiseError, ValueError):
+    """A checkpoint is missing, partial, corrupt, or does not fit the bundle."""

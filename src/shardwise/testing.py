@@ -152,13 +152,14 @@ class TinyMLP(nn.Module):
 class TinyDecoderBlock(nn.Module):
     """A pre-norm causal self-attention + MLP block."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         # no projection biases: the key bias has no true gradient, and Adam would amplify its noise
         self.attn = nn.MultiheadAttention(dim, heads, bias=False, batch_first=True)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]
@@ -175,11 +176,11 @@ class TinyTransformerLM(nn.Module):
     """
 
     def __init__(self, vocab: int = 32, dim: int = 32, heads: int = 2, layers: int = 2,
-                 max_len: int = 64) -> None:
+                 max_len: int = 64, dropout: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
-        self.layers = nn.ModuleList(TinyDecoderBlock(dim, heads) for _ in range(layers))
+        self.layers = nn.ModuleList(TinyDecoderBlock(dim, heads, dropout) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
 

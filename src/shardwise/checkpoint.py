@@ -1,0 +1,342 @@
+# save / load: sharded DCP checkpoints written atomically, with JSON for everything else.
+"""Checkpoints on ``torch.distributed.checkpoint``.
+
+A checkpoint is one directory per step, ``step_00001234/``, holding DCP shards of the
+model and optimizer tensors (each rank writes its own), ``shardwise.json`` (train state,
+optimizer hyperparameters, scheduler, scaler, data position) and ``rng/rank_NNNNN.json``.
+It is written under a hidden temporary name and renamed once every rank has finished;
+``latest`` names the newest complete one. Loading unpickles nothing but DCP's metadata,
+through an allow-list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from shardwise import _rng
+from shardwise._safe_reader import SafeReader
+from shardwise.bundle import Bundle
+from shardwise.data import DeviceLoader
+from shardwise.errors import CheckpointError
+from shardwise.state import TrainState
+
+__all__ = ["save", "load", "latest_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+META = "shardwise.json"
+LATEST = "latest"
+
+
+def _joined(bundle: Bundle) -> bool:
+    return bundle.env.is_distributed and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _dcp_quietly() -> Iterator[None]:
+    """DCP warns that it 'assumes' one process when there is no group; here that is known."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
+
+
+def _agree(bundle: Bundle, ok: bool) -> bool:
+    """Whether every rank succeeded (a collective: all ranks call it)."""
+    if not _joined(bundle):
+        return ok
+    flag = torch.tensor([1 if ok else 0], device=bundle.env.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors for DCP, everything else for JSON) of an optimizer state dict."""
+    tensors: dict[str, Any] = {}
+    other: dict[str, Any] = {}
+    for fqn, values in optim_sd.get("state", {}).items():
+        tensors[fqn] = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+        other[fqn] = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+    return {"state": tensors}, {"state": other, "param_groups": optim_sd.get("param_groups", [])}
+
+
+def _state_dicts(bundle: Bundle) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The model state, the optimizer's tensors and the optimizer's other values."""
+    if bundle.sharded_optimizer is not None:
+        raise CheckpointError("save()/load() do not handle shard_optimizer() (ZeRO-1) yet; "
+                              "use shard(), which shards optimizer state and checkpoints it")
+    if bundle.optimizer is None:
+        return get_model_state_dict(bundle.model), {}, {}
+    model_sd, optim_sd = get_state_dict(bundle.model, bundle.optimizer)
+    tensors, other = _split_optimizer(optim_sd)
+    return model_sd, tensors, other
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as JSON-ready data, or a clear error naming ``where``."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"cannot write {where} as JSON ({exc}); shardwise keeps "
+                              "non-tensor state in JSON so that loading runs no pickle") from None
+
+
+def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *,
+         keep_last: int | None = None) -> Path:
+    """Write a sharded checkpoint of ``bundle`` and ``state``; every rank must call it.
+
+    Args:
+        directory: the parent directory; the checkpoint is ``directory/step_NNNNNNNN``.
+        bundle: the bundle being trained.
+        state: the state after the last step (at the end of an accumulation window).
+        keep_last: keep only this many complete checkpoints (older ones are deleted after
+            the new one is complete).
+
+    Returns:
+        The checkpoint's directory.
+
+    Raises:
+        CheckpointError: mid-window state, unwritable directory or full disk (the previous
+            checkpoint is left intact), or state that cannot be written safely.
+
+    Example:
+        >>> sw.save("checkpoints", bundle, state, keep_last=3)
+    """
+    window = bundle.plan.accumulation_steps
+    if state.micro_step % window:
+        raise CheckpointError(
+            f"save() at micro-step {state.micro_step} is inside an accumulation window of "
+            f"{window}: the accumulated gradients would be lost; save after a step with "
+            "out.stepped (micro_step a multiple of the window)")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"save() 'keep_last' must be an integer >= 1 or None (got {keep_last!r})")
+    env, root = bundle.env, Path(directory)
+    final, tmp = root / f"step_{state.step:08d}", root / f".tmp.step_{state.step:08d}"
+    ok, problem = True, ""
+    if env.is_main:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted save
+            tmp.mkdir()
+        except OSError as exc:
+            ok, problem = False, str(exc)
+    if not _agree(bundle, ok):
+        raise CheckpointError(f"cannot create checkpoint directory {tmp}: {problem or 'on rank 0'}")
+    model_sd, tensors, other = _state_dicts(bundle)
+    meta = {"format": FORMAT, "train_state": state.to_dict(), "world_size": env.world_size,
+            "data": _data_position(bundle, state),
+            "optimizer": _plain(other, "the optimizer's hyperparameters"),
+            "scheduler": _plain(bundle.scheduler.state_dict(), "the scheduler's state")
+            if bundle.scheduler is not None else None,
+            "scaler": _plain(bundle.scaler.state_dict(), "the grad scaler's state")
+            if bundle.scaler is not None else None}
+    try:
+        with _dcp_quietly():
+            dcp.save({"model": model_sd, "optimizer": tensors},
+                     storage_writer=FileSystemWriter(tmp), no_dist=not _joined(bundle))
+        _write_json(tmp / "rng" / f"rank_{env.rank:05d}.json", _rng.capture())
+        if env.is_main:
+            _write_json(tmp / META, meta)
+    except Exception as exc:  # OSError, or DCP's CheckpointException wrapping one
+        ok, problem = False, str(exc)
+    if not _agree(bundle, ok):
+        raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
+                              "; the previous checkpoint is intact")
+    if env.is_main:
+        _publish(root, tmp, final, keep_last)
+    _agree(bundle, True)  # nobody returns before the checkpoint is visible
+    return final
+
+
+def _data_position(bundle: Bundle, state: TrainState) -> dict[str, Any]:
+    loader = bundle.loader
+    seed = loader.seed if isinstance(loader, DeviceLoader) else None
+    return {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch, "seed": seed}
+
+
+def _publish(root: Path, tmp: Path, final: Path, keep_last: int | None) -> None:
+    """Make ``tmp`` visible as ``final`` in one rename, then point ``latest`` at it."""
+    if final.exists():  # the same step saved again: swap, never leave a gap
+        old = root / f".old.{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    latest_tmp = root / f".{LATEST}.tmp"
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, root / LATEST)
+    if keep_last is not None:
+        complete = _complete_steps(root)
+        for old_step in complete[:-keep_last]:
+            if old_step != final:
+                shutil.rmtree(old_step, ignore_errors=True)
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / META).is_file() and (path / ".metadata").is_file()
+
+
+def _complete_steps(root: Path) -> list[Path]:
+    steps = [p for p in root.glob("step_*") if p.is_dir() and _is_complete(p)]
+    return sorted(steps, key=lambda p: p.name)
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``directory`` (or ``directory`` itself), or None."""
+    root = Path(directory)
+    if _is_complete(root):
+        return root
+    marker = root / LATEST
+    if marker.is_file():
+        named = root / marker.read_text().strip()
+        if _is_complete(named):
+            return named
+    complete = _complete_steps(root)
+    return complete[-1] if complete else None
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / META} is missing or corrupt ({exc}); the checkpoint "
+                              "is partial") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {meta.get('format')!r}; this shardwise "
+                              f"reads format {FORMAT}")
+    return meta
+
+
+def _flat_shapes(target: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """DCP's flattened keys of ``target`` and the (global) shapes of its tensors."""
+    out: dict[str, tuple[int, ...]] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif isinstance(value, torch.Tensor):
+            out[prefix] = tuple(value.shape)
+
+    walk("", target)
+    return out
+
+
+def _check_fits(path: Path, reader: SafeReader, target: dict[str, Any]) -> None:
+    """Raise, listing missing and unexpected keys and shape mismatches, unless it fits."""
+    saved = {k: tuple(v.size) for k, v in reader.read_metadata().state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    wanted = _flat_shapes(target)
+    missing = sorted(set(wanted) - set(saved))
+    unexpected = sorted(set(saved) - set(wanted))
+    shapes = [f"{k}: checkpoint {saved[k]}, model {wanted[k]}"
+              for k in sorted(set(saved) & set(wanted)) if saved[k] != wanted[k]]
+    if missing or unexpected or shapes:
+        def show(items: list[str]) -> str:
+            return ", ".join(items[:20]) + (f" (+{len(items) - 20} more)" if len(items) > 20 else "")
+
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model/optimizer: missing keys "
+            f"[{show(missing)}]; unexpected keys [{show(unexpected)}]; shape mismatches "
+            f"[{show(shapes)}]")
+
+
+def _merge(tensors: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    state = {fqn: {**values, **other.get("state", {}).get(fqn, {})}
+             for fqn, values in tensors.get("state", {}).items()}
+    return {"state": state, "param_groups": other.get("param_groups", [])}
+
+
+def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
+    """Restore a checkpoint into ``bundle`` and return its :class:`TrainState`.
+
+    Restores the model, optimizer, scheduler, grad scaler, each rank's RNG states and the
+    data position: the bundle's loader continues with the next batch of the saved epoch.
+    The checkpoint may come from another world size or layout (shard, replicate, one
+    process); DCP reshards it. Every rank must call it.
+
+    Args:
+        directory: a ``step_*`` directory, or the parent (then its newest complete one).
+        bundle: a bundle built the same way as the one saved (any world size).
+
+    Raises:
+        CheckpointError: no complete checkpoint, a partial or corrupt one, or one that does
+            not fit the model (missing/unexpected keys and shape mismatches are listed).
+
+    Example:
+        >>> state = sw.load("checkpoints", bundle)
+    """
+    path = latest_checkpoint(directory)
+    if path is None:
+        raise CheckpointError(f"no complete checkpoint in {directory} (a complete one holds "
+                              f"{META} and DCP's .metadata; hidden .tmp.* directories are "
+                              "interrupted saves)")
+    meta = _read_meta(path)
+    reader = SafeReader(path)
+    model_sd, tensors, _ = _state_dicts(bundle)
+    target = {"model": model_sd, "optimizer": tensors}
+    _check_fits(path, reader, target)
+    with _dcp_quietly():
+        dcp.load(target, storage_reader=reader, no_dist=not _joined(bundle))
+    if bundle.optimizer is None:
+        set_model_state_dict(bundle.model, target["model"])
+    else:
+        set_state_dict(bundle.model, bundle.optimizer, model_state_dict=target["model"],
+                       optim_state_dict=_merge(target["optimizer"], meta["optimizer"]))
+    if bundle.scheduler is not None and meta.get("scheduler") is not None:
+        bundle.scheduler.load_state_dict(meta["scheduler"])
+    if bundle.scaler is not None and meta.get("scaler") is not None:
+        bundle.scaler.load_state_dict(meta["scaler"])
+    _restore_rng(path, bundle, meta)
+    state = TrainState.from_dict(meta["train_state"])
+    _resume_data(bundle, meta["data"])
+    return state
+
+
+def _restore_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
+    rank_file = path / "rng" / f"rank_{bundle.env.rank:05d}.json"
+    if meta["world_size"] != bundle.env.world_size or not rank_file.is_file():
+        log.warning("checkpoint %s was written by %d rank(s), this run has %d: random "
+                    "generators are not restored (dropout and shuffling continue from the "
+                    "seeds, not bit for bit)", path, meta["world_size"], bundle.env.world_size)
+        return
+    _rng.restore(json.loads(rank_file.read_text()))
+
+
+def _resume_data(bundle: Bundle, data: dict[str, Any]) -> None:
+    loader = bundle.loader
+    if not isinstance(loader, DeviceLoader):
+        return
+    epoch, done = int(data["epoch"]), int(data["batch_in_epoch"])
+    if done >= len(loader):
+        epoch, done = epoch + 1, 0
+    loader.resume(epoch, done)

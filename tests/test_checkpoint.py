@@ -1,0 +1,263 @@
+# save / load: exact round trips and resumes on real gloo ranks, resharding, atomicity, errors.
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+import shardwise as sw
+from shardwise._params import unwrap
+from shardwise.errors import CheckpointError, RankFailedError
+from shardwise.testing import SyntheticTokens, TinyMLP, TinyTransformerLM, run_distributed
+
+
+def full_state(model):
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in unwrap(model).state_dict().items()}
+
+
+def build(parts, batch_size=4, accumulate=2):
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2, dropout=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    loader = DataLoader(SyntheticTokens(size=48, seq_len=8), batch_size=batch_size, shuffle=True,
+                        drop_last=True)
+    pipe = sw.pipeline(sw.detect(), *parts, sw.accumulate_gradients(accumulate))
+    return pipe(model, opt, loader, scheduler=sched)
+
+
+def run(bundle, state, micro_steps):
+    """Train ``micro_steps`` micro-batches, epoch after epoch; returns the state and losses."""
+    losses = []
+    while micro_steps:
+        for batch in bundle.loader:
+            state, out = bundle.step(state, batch)
+            losses.append(out.loss.item())
+            micro_steps -= 1
+            if micro_steps == 0:
+                break
+    return state, losses
+
+
+LAYOUTS = {"replicate": [sw.replicate()], "shard": [sw.shard()]}
+
+
+def straight(root):
+    out = {}
+    for name, parts in LAYOUTS.items():
+        bundle = build(parts)
+        torch.manual_seed(1234)
+        state, losses = run(bundle, bundle.init(), 20)
+        out[name] = {"losses": losses, "params": full_state(bundle.model), "state": state}
+    return out
+
+
+def first_half(root):
+    out = {}
+    for name, parts in LAYOUTS.items():
+        bundle = build(parts)
+        torch.manual_seed(1234)
+        state, losses = run(bundle, bundle.init(), 10)
+        path = sw.save(os.path.join(root, name), bundle, state)
+        out[name] = {"losses": losses, "path": str(path)}
+    return out
+
+
+def second_half(root):
+    out = {}
+    for name, parts in LAYOUTS.items():
+        bundle = build(parts)
+        torch.manual_seed(999)  # must not matter: the checkpoint restores the generators
+        state = sw.load(os.path.join(root, name), bundle)
+        state, losses = run(bundle, state, 10)
+        out[name] = {"losses": losses, "params": full_state(bundle.model), "state": state}
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("resume"))
+    whole = run_distributed(straight, root, world_size=2, timeout=300)
+    first = run_distributed(first_half, root, world_size=2, timeout=300)
+    second = run_distributed(second_half, root, world_size=2, timeout=300)
+    return root, whole, first, second
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_resume_in_new_processes_is_bit_exact(resumed, layout):
+    _, whole, first, second = resumed
+    for rank in range(2):
+        expected = whole[rank][layout]
+        assert first[rank][layout]["losses"] + second[rank][layout]["losses"] == expected["losses"]
+        got = second[rank][layout]["params"]
+        assert all(torch.equal(got[k], expected["params"][k]) for k in got)
+        assert second[rank][layout]["state"] == expected["state"]
+    assert expected["state"].epoch == 3  # the run crossed epoch ends (6 batches an epoch)
+
+
+def test_checkpoint_layout_on_disk(resumed):
+    root, _, first, _ = resumed
+    path = first[0]["shard"]["path"]
+    assert os.path.basename(path) == "step_00000005"
+    names = set(os.listdir(path))
+    assert {"shardwise.json", ".metadata", "rng"} <= names
+    assert sorted(os.listdir(os.path.join(path, "rng"))) == ["rank_00000.json", "rank_00001.json"]
+    meta = json.loads(open(os.path.join(path, "shardwise.json")).read())
+    assert meta["train_state"]["step"] == 5 and meta["world_size"] == 2
+    assert meta["data"] == {"epoch": 1, "batch_in_epoch": 4, "seed": 0}
+    assert open(os.path.join(root, "shard", "latest")).read().strip() == "step_00000005"
+
+
+def load_and_report(path, parts):
+    bundle = build(parts)
+    state = sw.load(path, bundle)
+    params = full_state(bundle.model)
+    state, losses = run(bundle, state, 4)
+    return {"params": params, "state": state, "losses": losses}
+
+
+def test_two_rank_checkpoints_load_in_one_process_and_across_layouts(resumed):
+    root, _, first, _ = resumed
+    saved = run_distributed(load_and_report, os.path.join(root, "shard"), [sw.shard()],
+                            world_size=2)[0]["params"]
+    one = load_and_report(os.path.join(root, "shard"), [])  # 2 -> 1, shard -> one process
+    assert all(torch.equal(one["params"][k], saved[k]) for k in saved)
+    assert one["state"].step == 7 and all(torch.isfinite(torch.tensor(one["losses"])))
+    across = run_distributed(load_and_report, os.path.join(root, "shard"), [sw.replicate()],
+                             world_size=2)[0]  # shard -> replicate
+    assert all(torch.equal(across["params"][k], saved[k]) for k in saved)
+
+
+def save_one_process(root):
+    bundle = build([])
+    state, _ = run(bundle, bundle.init(), 6)
+    sw.save(root, bundle, state)
+    return full_state(bundle.model)
+
+
+def test_one_process_checkpoint_loads_sharded_on_two_ranks(tmp_path):
+    saved = save_one_process(str(tmp_path))
+    loaded = run_distributed(load_and_report, str(tmp_path), [sw.shard()], world_size=2)
+    for rank in loaded:
+        assert all(torch.equal(rank["params"][k], saved[k]) for k in saved)
+        assert rank["state"].step == 5
+
+
+def test_round_trip_in_the_same_process_restores_everything(tmp_path):
+    bundle = build([])
+    state, _ = run(bundle, bundle.init(), 6)
+    snapshot = {k: v.clone() for k, v in bundle.model.state_dict().items()}
+    opt_snapshot = {k: {n: t.clone() for n, t in s.items()}
+                    for k, s in bundle.optimizer.state_dict()["state"].items()}
+    lr, rng = bundle.optimizer.param_groups[0]["lr"], torch.get_rng_state()
+    sw.save(tmp_path, bundle, state)
+    run(bundle, state, 4)  # move everything on
+    assert sw.load(tmp_path, bundle) == state
+    assert all(torch.equal(v, snapshot[k]) for k, v in bundle.model.state_dict().items())
+    for k, s in bundle.optimizer.state_dict()["state"].items():
+        assert all(torch.equal(t, opt_snapshot[k][n]) for n, t in s.items())
+    assert bundle.optimizer.param_groups[0]["lr"] == lr and bundle.scheduler.last_epoch == 3
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_keep_last_prunes_older_complete_checkpoints(tmp_path):
+    bundle = build([], accumulate=1)
+    state = bundle.init()
+    for _ in range(4):
+        state, _ = run(bundle, state, 1)
+        sw.save(tmp_path, bundle, state, keep_last=2)
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step_")) == [
+        "step_00000003", "step_00000004"]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000004"
+
+
+def save_twice_and_die_in_the_second(root):
+    bundle = build([], accumulate=1)
+    state, _ = run(bundle, bundle.init(), 1)
+    sw.save(root, bundle, state)
+    state, _ = run(bundle, state, 1)
+    if sw.detect().rank == 1:
+        import shardwise._rng
+
+        def die():
+            os._exit(3)  # killed in the middle of writing
+
+        shardwise._rng.capture = die
+    sw.save(root, bundle, state)
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
+    with pytest.raises(RankFailedError):
+        run_distributed(save_twice_and_die_in_the_second, str(tmp_path), world_size=2, timeout=120)
+    assert sw.latest_checkpoint(tmp_path).name == "step_00000001"
+    assert (tmp_path / "latest").read_text().strip() == "step_00000001"
+    assert not (tmp_path / "step_00000002").exists()
+    bundle = build([], accumulate=1)
+    assert sw.load(tmp_path, bundle).step == 1  # 2 -> 1 and still loadable
+
+
+def test_loading_into_another_model_lists_the_differences(tmp_path):
+    bundle = build([], accumulate=1)
+    state, _ = run(bundle, bundle.init(), 1)
+    sw.save(tmp_path, bundle, state)
+    torch.manual_seed(0)
+    other = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=3)
+    wider = sw.pipeline(sw.Env())(other, torch.optim.AdamW(other.parameters()))
+    with pytest.raises(CheckpointError) as info:
+        sw.load(tmp_path, wider)
+    assert "missing keys [model.layers.2.attn.in_proj_weight" in str(info.value)
+    mlp = sw.pipeline(sw.Env())(TinyMLP(), None)
+    with pytest.raises(CheckpointError, match="unexpected keys .model.embed.weight"):
+        sw.load(tmp_path, mlp)
+    narrow = TinyTransformerLM(vocab=32, dim=8, heads=2, layers=2)
+    with pytest.raises(CheckpointError, match=r"model.embed.weight: checkpoint \(32, 16\), model \(32, 8\)"):
+        sw.load(tmp_path, sw.pipeline(sw.Env())(narrow, None))
+
+
+def test_partial_and_corrupt_checkpoints_are_reported(tmp_path):
+    bundle = build([], accumulate=1)
+    state, _ = run(bundle, bundle.init(), 1)
+    first = sw.save(tmp_path, bundle, state)
+    state, _ = run(bundle, state, 1)
+    second = sw.save(tmp_path, bundle, state)
+    (second / "shardwise.json").unlink()  # partial: never taken as latest
+    assert sw.latest_checkpoint(tmp_path) == first
+    (first / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match="partial or corrupt"):
+        sw.load(first, bundle)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        sw.load(tmp_path / "nothing", bundle)
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_loading_never_unpickles_foreign_objects(tmp_path):
+    bundle = build([], accumulate=1)
+    state, _ = run(bundle, bundle.init(), 1)
+    path = sw.save(tmp_path, bundle, state)
+    (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match="refers to posix.system"):
+        sw.load(path, bundle)
+
+
+def test_unwritable_directory_and_mid_window_saves_are_refused(tmp_path):
+    bundle = build([], accumulate=2)
+    state, _ = run(bundle, bundle.init(), 1)
+    with pytest.raises(CheckpointError, match="inside an accumulation window of 2"):
+        sw.save(tmp_path, bundle, state)
+    state, _ = run(bundle, state, 1)
+    previous = sw.save(tmp_path / "ok", bundle, state)
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a directory")
+    with pytest.raises(CheckpointError, match="cannot create checkpoint directory"):
+        sw.save(blocker / "sub", bundle, state)
+    with pytest.raises(ValueError, match="'keep_last' must be an integer >= 1 or None .got 0"):
+        sw.save(tmp_path, bundle, state, keep_last=0)
+    assert sw.latest_checkpoint(tmp_path / "ok") == previous

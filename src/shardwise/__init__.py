@@ -17,6 +17,7 @@ from shardwise.checkpoint import latest_checkpoint, load, save
 from shardwise.data import to_device
 from shardwise.distributed import ensure_process_group
 from shardwise.env import CONFIG_ENV_VAR, Env, detect
+from shardwise.export import export
 from shardwise.memory import MemoryEstimate, estimate_memory
 from shardwise.pipeline import Pipeline, pipeline
 from shardwise.policies import auto, by_class, by_size
@@ -63,6 +64,7 @@ __all__ = [
     "latest_checkpoint",
     "load",
     "estimate_memory",
+    "export",
     "errors",
     "policies",
     "testing",

@@ -1,0 +1,95 @@
+# export(): the full model gathered to rank 0 and written as safetensors with clean names.
+"""Export a trained model for inference or the Hugging Face ecosystem."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from shardwise._params import clean_name, unwrap
+from shardwise.bundle import Bundle
+from shardwise.errors import CheckpointError
+
+__all__ = ["export"]
+
+WEIGHTS = "model.safetensors"
+
+
+def _gathered(model: torch.nn.Module, main: bool,
+              dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The full state dict on the main rank, one tensor at a time (others get nothing)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in unwrap(model).state_dict().items():
+        tensor = value.full_tensor() if isinstance(value, DTensor) else value  # a collective
+        if not main:
+            continue
+        tensor = tensor.detach().to("cpu")
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        out[clean_name(name)] = tensor
+    return out
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies for tensors that share memory (tied weights): safetensors stores each once."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        out[name] = tensor.clone().contiguous() if key in seen else tensor.contiguous()
+        seen.add((key[0], int(key[1])))
+    return out
+
+
+def _write_config(model: torch.nn.Module, out: Path) -> None:
+    config: Any = getattr(unwrap(model), "config", None)
+    if config is None:
+        return
+    if hasattr(config, "save_pretrained"):  # a Transformers PretrainedConfig
+        config.save_pretrained(out)
+    elif hasattr(config, "to_dict"):
+        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+
+
+def export(path: str | os.PathLike[str], bundle: Bundle, *,
+           dtype: torch.dtype | None = None) -> Path:
+    """Write ``bundle.model``'s full state as ``path/model.safetensors``; every rank calls it.
+
+    Sharded parameters are gathered one at a time and kept on rank 0's CPU only; names
+    carry no wrapper prefixes, so ``model.load_state_dict(..., strict=True)`` on the plain
+    model works. A model with a ``config`` (Transformers) also gets ``config.json``, so
+    ``from_pretrained(path)`` reads the directory.
+
+    Args:
+        path: the output directory.
+        bundle: the trained bundle.
+        dtype: cast floating-point tensors to this dtype (e.g. ``torch.bfloat16``).
+
+    Returns:
+        The output directory.
+
+    Raises:
+        CheckpointError: the directory cannot be written.
+
+    Example:
+        >>> sw.export("out/final", bundle, dtype=torch.bfloat16)
+    """
+    env, out = bundle.env, Path(path)
+    tensors = _gathered(bundle.model, env.is_main, dtype)
+    if env.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(_unshared(tensors), str(out / WEIGHTS), metadata={"format": "pt"})
+            _write_config(bundle.model, out)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write the export to {out}: {exc}") from exc
+    if env.is_distributed and dist.is_initialized():
+        dist.barrier()
+    return out

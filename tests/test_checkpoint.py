@@ -261,3 +261,25 @@ def test_unwritable_directory_and_mid_window_saves_are_refused(tmp_path):
     with pytest.raises(ValueError, match="'keep_last' must be an integer >= 1 or None .got 0"):
         sw.save(tmp_path, bundle, state, keep_last=0)
     assert sw.latest_checkpoint(tmp_path / "ok") == previous
+
+
+def test_a_full_disk_during_save_raises_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    import shardwise.checkpoint
+
+    bundle = build([], accumulate=1)
+    state, _ = run(bundle, bundle.init(), 1)
+    previous = sw.save(tmp_path, bundle, state)
+
+    class FullDisk(shardwise.checkpoint.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shardwise.checkpoint, "FileSystemWriter", FullDisk)
+    state, _ = run(bundle, state, 1)
+    with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint is intact"):
+        sw.save(tmp_path, bundle, state)
+    assert sw.latest_checkpoint(tmp_path) == previous
+    assert not (tmp_path / "step_00000002").exists()
+    assert sw.load(tmp_path, bundle).step == 1

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -164,8 +165,8 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         _write_json(tmp / "rng" / f"rank_{env.rank:05d}.json", _rng.capture())
         if env.is_main:
             _write_json(tmp / META, meta)
-    except Exception as exc:  # OSError, or DCP's CheckpointException wrapping one
-        ok, problem = False, str(exc)
+    except (Exception, CheckpointException) as exc:  # DCP's wraps the rank's OSError
+        ok, problem = False, _cause(exc)
     if not _agree(bundle, ok):
         raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
                               "; the previous checkpoint is intact")
@@ -173,6 +174,15 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         _publish(root, tmp, final, keep_last)
     _agree(bundle, True)  # nobody returns before the checkpoint is visible
     return final
+
+
+def _cause(exc: BaseException) -> str:
+    """The first line of the underlying error: DCP wraps each rank's in a CheckpointException."""
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            return f"{type(cause).__name__}: {cause}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _data_position(bundle: Bundle, state: TrainState) -> dict[str, Any]:

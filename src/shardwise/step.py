@@ -181,7 +181,7 @@ class Stepper:
             return None, True
         device = _local(grads[0]).device
         if device not in self.flags:
-            self.flags[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+            self.flags[device] = (torch.zeros((), device=device), torch.ones((), device=device))
         found_inf, unit = self.flags[device]
         found_inf.zero_()
         # on sharded (DTensor) gradients torch reduces the flag over the mesh: all ranks agree

@@ -43,7 +43,8 @@ def run(bundle, state, micro_steps):
     return state, losses
 
 
-LAYOUTS = {"replicate": [sw.replicate()], "shard": [sw.shard()]}
+LAYOUTS = {"replicate": [sw.replicate()], "shard": [sw.shard()],
+           "zero1": [sw.replicate(), sw.shard_optimizer()]}
 
 
 def straight(root):
@@ -130,6 +131,8 @@ def test_two_rank_checkpoints_load_in_one_process_and_across_layouts(resumed):
     across = run_distributed(load_and_report, os.path.join(root, "shard"), [sw.replicate()],
                              world_size=2)[0]  # shard -> replicate
     assert all(torch.equal(across["params"][k], saved[k]) for k in saved)
+    zero = load_and_report(os.path.join(root, "zero1"), [])  # ZeRO-1 on 2 ranks -> 1 process
+    assert zero["state"].step == 7 and all(torch.isfinite(torch.tensor(zero["losses"])))
 
 
 def save_one_process(root):

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardwise import _rng
+from shardwise._params import param_names
 from shardwise._safe_reader import SafeReader
 from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader
@@ -88,11 +89,50 @@ def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     return {"state": tensors}, {"state": other, "param_groups": optim_sd.get("param_groups", [])}
 
 
+def _materialise(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (a step at learning rate 0 on zero gradients)
+    so that a checkpoint can be loaded into them; parameters do not change."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    rates = [g["lr"] for g in optimizer.param_groups]
+    grads = [p.grad for p in params]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
+
+
+def _zero_state_dicts(bundle: Bundle) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Under shard_optimizer(): each rank's share of the state, keyed by parameter name as in
+    the unsharded layout, so a ZeRO-1 checkpoint loads into any layout and back."""
+    engine, optimizer = bundle.sharded_optimizer, bundle.optimizer
+    assert engine is not None and optimizer is not None
+    local = engine.optim  # type: ignore[attr-defined]
+    _materialise(local)
+    names = param_names(bundle.model)
+    tensors: dict[str, Any] = {}
+    for param, values in local.state.items():
+        extra = [k for k, v in values.items() if not isinstance(v, torch.Tensor)]
+        if extra:
+            raise CheckpointError(f"shard_optimizer() state holds non-tensor values {extra}; "
+                                  "only tensor optimizer state can be checkpointed sharded")
+        tensors[names[id(param)]] = dict(values)
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    return get_model_state_dict(bundle.model), {"state": tensors}, {"state": {},
+                                                                    "param_groups": groups}
+
+
 def _state_dicts(bundle: Bundle) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The model state, the optimizer's tensors and the optimizer's other values."""
     if bundle.sharded_optimizer is not None:
-        raise CheckpointError("save()/load() do not handle shard_optimizer() (ZeRO-1) yet; "
-                              "use shard(), which shards optimizer state and checkpoints it")
+        return _zero_state_dicts(bundle)
     if bundle.optimizer is None:
         return get_model_state_dict(bundle.model), {}, {}
     model_sd, optim_sd = get_state_dict(bundle.model, bundle.optimizer)
@@ -261,13 +301,19 @@ def _flat_shapes(target: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _check_fits(path: Path, reader: SafeReader, target: dict[str, Any]) -> None:
-    """Raise, listing missing and unexpected keys and shape mismatches, unless it fits."""
+def _check_fits(path: Path, reader: SafeReader, target: dict[str, Any],
+                partial_optimizer: bool) -> None:
+    """Raise, listing missing and unexpected keys and shape mismatches, unless it fits.
+
+    With ``partial_optimizer`` (ZeRO-1) this rank loads only its share of the optimizer
+    state, so optimizer keys it does not hold are expected.
+    """
     saved = {k: tuple(v.size) for k, v in reader.read_metadata().state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
     wanted = _flat_shapes(target)
     missing = sorted(set(wanted) - set(saved))
-    unexpected = sorted(set(saved) - set(wanted))
+    unexpected = sorted(k for k in set(saved) - set(wanted)
+                        if not (partial_optimizer and k.startswith("optimizer.")))
     shapes = [f"{k}: checkpoint {saved[k]}, model {wanted[k]}"
               for k in sorted(set(saved) & set(wanted)) if saved[k] != wanted[k]]
     if missing or unexpected or shapes:
@@ -314,11 +360,13 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
     reader = SafeReader(path)
     model_sd, tensors, _ = _state_dicts(bundle)
     target = {"model": model_sd, "optimizer": tensors}
-    _check_fits(path, reader, target)
+    _check_fits(path, reader, target, partial_optimizer=bundle.sharded_optimizer is not None)
     with _dcp_quietly():
         dcp.load(target, storage_reader=reader, no_dist=not _joined(bundle))
-    if bundle.optimizer is None:
-        set_model_state_dict(bundle.model, target["model"])
+    if bundle.optimizer is None or bundle.sharded_optimizer is not None:
+        set_model_state_dict(bundle.model, target["model"])  # ZeRO state was loaded in place
+        if bundle.optimizer is not None:
+            _set_hyperparameters(bundle.optimizer, meta["optimizer"]["param_groups"])
     else:
         set_state_dict(bundle.model, bundle.optimizer, model_state_dict=target["model"],
                        optim_state_dict=_merge(target["optimizer"], meta["optimizer"]))
@@ -330,6 +378,15 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
     state = TrainState.from_dict(meta["train_state"])
     _resume_data(bundle, meta["data"])
     return state
+
+
+def _set_hyperparameters(optimizer: torch.optim.Optimizer,
+                         groups: list[dict[str, Any]]) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint has {len(groups)} optimizer param groups, the "
+                              f"optimizer {len(optimizer.param_groups)}")
+    for mine, saved in zip(optimizer.param_groups, groups, strict=True):
+        mine.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def _restore_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:

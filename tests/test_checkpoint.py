@@ -5,18 +5,17 @@ import pickle
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import shardwise as sw
-from shardwise._params import unwrap
 from shardwise.errors import CheckpointError, RankFailedError
-from shardwise.testing import SyntheticTokens, TinyMLP, TinyTransformerLM, run_distributed
-
-
-def full_state(model):
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in unwrap(model).state_dict().items()}
+from shardwise.testing import (
+    SyntheticTokens,
+    TinyMLP,
+    TinyTransformerLM,
+    full_state,
+    run_distributed,
+)
 
 
 def build(parts, batch_size=4, accumulate=2):

@@ -4,11 +4,9 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor
 
 import shardwise as sw
-from shardwise._params import unwrap
-from shardwise.testing import TinyTransformerLM, run_distributed
+from shardwise.testing import TinyTransformerLM, full_state, run_distributed
 
 
 def trained(parts, steps=2):
@@ -25,8 +23,7 @@ def trained(parts, steps=2):
 def export_from(root, parts):
     bundle = trained(parts)
     path = sw.export(os.path.join(root, "out"), bundle)
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in unwrap(bundle.model).state_dict().items()}, str(path)
+    return full_state(bundle.model), str(path)
 
 
 @pytest.mark.parametrize("parts", [[sw.shard(), sw.checkpoint_activations()], [sw.replicate()]],

@@ -8,11 +8,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import shardwise as sw
-from shardwise._params import unwrap
 from shardwise.testing import (
     SyntheticTokens,
     TinyDecoderBlock,
     TinyTransformerLM,
+    full_state,
     max_param_diff,
     run_distributed,
 )
@@ -26,10 +26,6 @@ def nbytes(t):
     t = local(t)
     return t.numel() * t.element_size()
 
-
-def full_state(model):
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in unwrap(model).state_dict().items()}
 
 
 def make(layers=2, dim=16):

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from shardwise.errors import RankFailedError
 
 __all__ = [
-    "run_distributed", "free_port", "max_param_diff", "TinyMLP", "TinyTransformerLM",
+    "run_distributed", "free_port", "full_state", "max_param_diff", "TinyMLP", "TinyTransformerLM",
     "TinyDecoderBlock", "SyntheticTokens", "SyntheticRegression",
 ]
 
@@ -112,6 +112,17 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2,
                 proc.kill()
                 proc.join(5)
     return [results[r] for r in range(world_size)]
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of ``model``'s whole state under its own names: sharded (DTensor) entries are
+    gathered (a collective: every rank calls it) and DDP's wrapper is looked through."""
+    from torch.distributed.tensor import DTensor
+
+    from shardwise._params import unwrap
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in unwrap(model).state_dict().items()}
 
 
 def max_param_diff(a: nn.Module | Mapping[str, torch.Tensor],

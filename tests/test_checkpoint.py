@@ -285,3 +285,42 @@ def test_a_full_disk_during_save_raises_and_keeps_the_previous_checkpoint(tmp_pa
     assert sw.latest_checkpoint(tmp_path) == previous
     assert not (tmp_path / "step_00000002").exists()
     assert sw.load(tmp_path, bundle).step == 1
+
+
+def round_trip_in_place(root):
+    """On 2 ranks: save, train on, load in the same processes; everything comes back."""
+    out = {}
+    for name, parts in LAYOUTS.items():
+        bundle = build(parts)
+        state, _ = run(bundle, bundle.init(), 6)
+        engine = bundle.sharded_optimizer or bundle.optimizer
+        before = (full_state(bundle.model), _optimizer_tensors(engine), torch.get_rng_state(),
+                  bundle.scheduler.state_dict())
+        sw.save(os.path.join(root, name), bundle, state)
+        run(bundle, state, 4)
+        loaded = sw.load(os.path.join(root, name), bundle)
+        after = (full_state(bundle.model), _optimizer_tensors(engine), torch.get_rng_state(),
+                 bundle.scheduler.state_dict())
+        out[name] = {
+            "state": loaded == state,
+            "params": all(torch.equal(after[0][k], v) for k, v in before[0].items()),
+            "optimizer": before[1].keys() == after[1].keys()
+            and all(torch.equal(after[1][k], v) for k, v in before[1].items()),
+            "rng": torch.equal(before[2], after[2]), "scheduler": before[3] == after[3]}
+    return out
+
+
+def _optimizer_tensors(optimizer):
+    local = getattr(optimizer, "optim", optimizer)  # ZeRO-1: this rank's share
+    out = {}
+    for i, values in enumerate(local.state.values()):
+        for key, value in values.items():
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            out[f"{i}.{key}"] = value.detach().clone()
+    return out
+
+
+def test_round_trip_on_two_ranks_in_the_same_processes(tmp_path):
+    for rank in run_distributed(round_trip_in_place, str(tmp_path), world_size=2, timeout=300):
+        for name, checks in rank.items():
+            assert all(checks.values()), (name, checks)

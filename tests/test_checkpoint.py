@@ -324,3 +324,120 @@ def test_round_trip_on_two_ranks_in_the_same_processes(tmp_path):
     for rank in run_distributed(round_trip_in_place, str(tmp_path), world_size=2, timeout=300):
         for name, checks in rank.items():
             assert all(checks.values()), (name, checks)
+
+
+@pytest.mark.parametrize("payload, shown", [
+    (b"ctorch.distributed.checkpoint.metadata\nos.system\n.", "metadata.os.system"),
+    (b"ctorch.distributed.checkpoint.filesystem\nFileSystemWriter\n.", "FileSystemWriter"),
+    (b"cio\nFileIO\n.", "io.FileIO"),
+])
+def test_the_metadata_allow_list_takes_exact_names_only(tmp_path, payload, shown):
+    bundle = build([], accumulate=1)
+    state, _ = run(bundle, bundle.init(), 1)
+    path = sw.save(tmp_path, bundle, state)
+    (path / ".metadata").write_bytes(payload)
+    with pytest.raises(CheckpointError, match=f"refers to .*{shown}"):
+        sw.load(path, bundle)
+
+
+def test_saving_before_the_first_step_changes_nothing(tmp_path):
+    bundle = build([], accumulate=1)
+    sw.save(tmp_path, bundle, bundle.init())
+    assert len(bundle.optimizer.state) == 0  # AdamW would otherwise count a step
+
+
+def test_a_model_only_bundle_loads_a_training_checkpoint(tmp_path):
+    bundle = build([], accumulate=1)
+    state, _ = run(bundle, bundle.init(), 2)
+    sw.save(tmp_path, bundle, state)
+    torch.manual_seed(5)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2, dropout=0.1)
+    evaluation = sw.pipeline(sw.Env())(model)
+    assert sw.load(tmp_path, evaluation).step == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 bundle.model.state_dict().values(), strict=True))
+
+
+def test_tuples_in_optimizer_settings_stay_tuples(tmp_path):
+    bundle = build([], accumulate=1)
+    state, _ = run(bundle, bundle.init(), 1)
+    groups = bundle.optimizer.state_dict()["param_groups"]
+    sw.save(tmp_path, bundle, state)
+    fresh = build([], accumulate=1)
+    sw.load(tmp_path, fresh)
+    assert fresh.optimizer.state_dict()["param_groups"] == groups
+    assert isinstance(fresh.optimizer.param_groups[0]["betas"], tuple)
+
+
+def test_reloading_after_a_resumed_epoch_returns_to_the_saved_batch(tmp_path):
+    bundle = build([], accumulate=1)  # one process: 12 batches an epoch
+    state, _ = run(bundle, bundle.init(), 5)
+    sw.save(tmp_path, bundle, state)
+    sw.load(tmp_path, bundle)
+    run(bundle, state, 2)
+    assert bundle.loader.epoch_length() == 12
+    sw.load(tmp_path, bundle)
+    first = next(iter(bundle.loader))
+    assert (bundle.loader.epoch, bundle.loader.batch_in_epoch) == (0, 6)
+    again = build([], accumulate=1)
+    run(again, again.init(), 5)
+    assert torch.equal(first["input_ids"], next(iter(again.loader))["input_ids"]) is False
+    sw.load(tmp_path, again)
+    assert torch.equal(first["input_ids"], next(iter(again.loader))["input_ids"])
+
+
+def test_a_different_sampler_seed_is_refused(tmp_path):
+    bundle = build([], accumulate=1)
+    state, _ = run(bundle, bundle.init(), 1)
+    sw.save(tmp_path, bundle, state)
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2, dropout=0.1)
+    loader = DataLoader(SyntheticTokens(size=48, seq_len=8), batch_size=4, shuffle=True)
+    other = sw.pipeline(sw.Env(), sw.distribute_data(seed=7))(
+        model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), loader)
+    with pytest.raises(CheckpointError, match="sampler seed 0, this loader uses 7"):
+        sw.load(tmp_path, other)
+
+
+def test_a_missing_shard_file_is_a_partial_checkpoint(tmp_path):
+    bundle = build([], accumulate=1)
+    state, _ = run(bundle, bundle.init(), 1)
+    path = sw.save(tmp_path, bundle, state)
+    for shard_file in path.glob("*.distcp"):
+        shard_file.unlink()
+    with pytest.raises(CheckpointError, match="partial or corrupt"):
+        sw.load(path, bundle)
+
+
+def test_keep_last_after_a_rollback_and_debris_cleanup(tmp_path):
+    bundle = build([], accumulate=1)
+    state = bundle.init()
+    for step in (1, 2, 3):
+        state, _ = run(bundle, state, 1)
+        sw.save(tmp_path, bundle, state)
+    (tmp_path / ".tmp.step_00000009").mkdir()  # an interrupted save of another step
+    rolled_back = sw.TrainState(step=2, micro_step=2)
+    sw.save(tmp_path, bundle, rolled_back, keep_last=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step_00000001", "step_00000002", "step_00000003"]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000002"
+
+
+def frozen_zero(root):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    model.fc1.weight.requires_grad_(False)
+    bundle = sw.pipeline(sw.detect(), sw.replicate(), sw.shard_optimizer())(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state, _ = bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)))
+    sw.save(root, bundle, state)
+    return full_state(bundle.model)
+
+
+def test_zero1_with_frozen_parameters_loads_in_one_process(tmp_path):
+    saved = run_distributed(frozen_zero, str(tmp_path), world_size=2)[0]
+    model = TinyMLP()
+    model.fc1.weight.requires_grad_(False)
+    one = sw.pipeline(sw.Env())(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert sw.load(tmp_path, one).step == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())

@@ -14,27 +14,26 @@ from shardwise.errors import CheckpointError
 
 __all__ = ["SafeReader"]
 
-_TORCH_NAMES = {"Size", "device", "memory_format", "layout", "contiguous_format",
-                "channels_last", "preserve_format", "strided", "sparse_coo"}
+_DCP = "torch.distributed.checkpoint."
+# every global a DCP metadata file needs, as exact (module, name) pairs
+_ALLOWED = {
+    *((_DCP + "metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    (_DCP + "filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+    *(("pathlib", name) for name in ("PosixPath", "WindowsPath", "PurePosixPath",
+                                     "PureWindowsPath")),
+}
 
 
 class _Unpickler(pickle.Unpickler):
-    """Allows DCP's metadata records, torch dtypes/sizes and plain containers, nothing else."""
+    """Allows DCP's metadata records, torch dtypes and sizes, paths and sets: nothing else."""
 
     def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name) if module.startswith("torch.") else None
-        allowed = (
-            # DCP's own records: classes only, never its functions
-            (module.startswith("torch.distributed.checkpoint.") and isinstance(found, type))
-            or (module == "torch" and (name in _TORCH_NAMES
-                                       or isinstance(getattr(torch, name, None), torch.dtype)))
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "pathlib" and name in {"PosixPath", "WindowsPath", "PurePosixPath",
-                                                 "PureWindowsPath"})
-            or (module == "collections" and name == "OrderedDict")
-            or (module == "builtins" and name in {"set", "frozenset", "slice", "complex"})
-        )
-        if not allowed:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if "." in name or not ((module, name) in _ALLOWED or dtype):
             raise CheckpointError(
                 f"the checkpoint's metadata refers to {module}.{name}, which a DCP checkpoint "
                 "never needs; refusing to load it (it may not be a shardwise checkpoint)")

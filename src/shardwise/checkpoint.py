@@ -72,11 +72,27 @@ def _agree(bundle: Bundle, ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _write_json(path: Path, data: Any) -> None:
+def _write_durably(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, flushed to disk, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    with open(tmp, "w") as stream:
+        stream.write(text)
+        stream.flush()
+        os.fsync(stream.fileno())
     os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    _write_durably(path, json.dumps(data, indent=1))
 
 
 def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -92,7 +108,7 @@ def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str
 def _materialise(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state tensors (a step at learning rate 0 on zero gradients)
     so that a checkpoint can be loaded into them; parameters do not change."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if all(p in optimizer.state for p in params):
         return
     rates = [g["lr"] for g in optimizer.param_groups]
@@ -184,12 +200,14 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     if env.is_main:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted save
+            for debris in (*root.glob(".tmp.step_*"), *root.glob(".old.step_*")):
+                shutil.rmtree(debris, ignore_errors=True)  # left by interrupted saves
             tmp.mkdir()
         except OSError as exc:
             ok, problem = False, str(exc)
     if not _agree(bundle, ok):
         raise CheckpointError(f"cannot create checkpoint directory {tmp}: {problem or 'on rank 0'}")
+    fresh = bundle.optimizer is not None and not bundle.optimizer.state
     model_sd, tensors, other = _state_dicts(bundle)
     meta = {"format": FORMAT, "train_state": state.to_dict(), "world_size": env.world_size,
             "data": _data_position(bundle, state),
@@ -207,12 +225,19 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             _write_json(tmp / META, meta)
     except (Exception, CheckpointException) as exc:  # DCP's wraps the rank's OSError
         ok, problem = False, _cause(exc)
+    if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
+        bundle.optimizer.state.clear()
     if not _agree(bundle, ok):
         raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
                               "; the previous checkpoint is intact")
     if env.is_main:
-        _publish(root, tmp, final, keep_last)
-    _agree(bundle, True)  # nobody returns before the checkpoint is visible
+        try:
+            _publish(root, tmp, final, state.step, keep_last)
+        except OSError as exc:
+            ok, problem = False, f"{type(exc).__name__}: {exc}"
+    if not _agree(bundle, ok):  # nobody returns before the checkpoint is visible
+        raise CheckpointError(f"publishing checkpoint {final} failed ({problem}); "
+                              f"{root / LATEST} still names the previous checkpoint")
     return final
 
 
@@ -231,8 +256,9 @@ def _data_position(bundle: Bundle, state: TrainState) -> dict[str, Any]:
     return {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch, "seed": seed}
 
 
-def _publish(root: Path, tmp: Path, final: Path, keep_last: int | None) -> None:
+def _publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None) -> None:
     """Make ``tmp`` visible as ``final`` in one rename, then point ``latest`` at it."""
+    _fsync_dir(tmp)
     if final.exists():  # the same step saved again: swap, never leave a gap
         old = root / f".old.{final.name}"
         shutil.rmtree(old, ignore_errors=True)
@@ -241,23 +267,32 @@ def _publish(root: Path, tmp: Path, final: Path, keep_last: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    latest_tmp = root / f".{LATEST}.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, root / LATEST)
+    _fsync_dir(root)
+    _write_durably(root / LATEST, final.name + "\n")
+    _fsync_dir(root)
     if keep_last is not None:
-        complete = _complete_steps(root)
-        for old_step in complete[:-keep_last]:
-            if old_step != final:
-                shutil.rmtree(old_step, ignore_errors=True)
+        # only checkpoints older than this one: after a rollback, newer-numbered ones
+        # belong to an abandoned run and are left for the user to judge
+        older = [p for p in _complete_steps(root) if _step_of(p) < step]
+        for old_step in older[:len(older) - (keep_last - 1)]:
+            shutil.rmtree(old_step, ignore_errors=True)
 
 
 def _is_complete(path: Path) -> bool:
     return (path / META).is_file() and (path / ".metadata").is_file()
 
 
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step_"))
+    except ValueError:
+        return -1
+
+
 def _complete_steps(root: Path) -> list[Path]:
+    """Complete ``step_*`` checkpoints, oldest step first."""
     steps = [p for p in root.glob("step_*") if p.is_dir() and _is_complete(p)]
-    return sorted(steps, key=lambda p: p.name)
+    return sorted(steps, key=_step_of)
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
@@ -305,8 +340,8 @@ def _check_fits(path: Path, reader: SafeReader, target: dict[str, Any],
                 partial_optimizer: bool) -> None:
     """Raise, listing missing and unexpected keys and shape mismatches, unless it fits.
 
-    With ``partial_optimizer`` (ZeRO-1) this rank loads only its share of the optimizer
-    state, so optimizer keys it does not hold are expected.
+    With ``partial_optimizer`` (ZeRO-1, or a bundle without an optimizer, e.g. for
+    evaluation) optimizer keys this rank does not load are expected.
     """
     saved = {k: tuple(v.size) for k, v in reader.read_metadata().state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
@@ -326,10 +361,22 @@ def _check_fits(path: Path, reader: SafeReader, target: dict[str, Any],
             f"[{show(shapes)}]")
 
 
-def _merge(tensors: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+def _typed_groups(optimizer: torch.optim.Optimizer,
+                  groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """JSON's lists turned back into tuples where the optimizer keeps tuples (e.g. betas)."""
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint has {len(groups)} optimizer param groups, the "
+                              f"optimizer {len(optimizer.param_groups)}")
+    return [{k: tuple(v) if isinstance(mine.get(k), tuple) and isinstance(v, list) else v
+             for k, v in saved.items()} for mine, saved in zip(optimizer.param_groups, groups,
+                                                                strict=True)]
+
+
+def _merge(optimizer: torch.optim.Optimizer, tensors: dict[str, Any],
+           other: dict[str, Any]) -> dict[str, Any]:
     state = {fqn: {**values, **other.get("state", {}).get(fqn, {})}
              for fqn, values in tensors.get("state", {}).items()}
-    return {"state": state, "param_groups": other.get("param_groups", [])}
+    return {"state": state, "param_groups": _typed_groups(optimizer, other["param_groups"])}
 
 
 def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
@@ -360,16 +407,22 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
     reader = SafeReader(path)
     model_sd, tensors, _ = _state_dicts(bundle)
     target = {"model": model_sd, "optimizer": tensors}
-    _check_fits(path, reader, target, partial_optimizer=bundle.sharded_optimizer is not None)
-    with _dcp_quietly():
-        dcp.load(target, storage_reader=reader, no_dist=not _joined(bundle))
+    _check_fits(path, reader, target, partial_optimizer=bundle.sharded_optimizer is not None
+                or bundle.optimizer is None)
+    try:
+        with _dcp_quietly():
+            dcp.load(target, storage_reader=reader, no_dist=not _joined(bundle))
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"reading checkpoint {path} failed ({_cause(exc)}); the checkpoint "
+                              "is partial or corrupt") from None
     if bundle.optimizer is None or bundle.sharded_optimizer is not None:
         set_model_state_dict(bundle.model, target["model"])  # ZeRO state was loaded in place
         if bundle.optimizer is not None:
             _set_hyperparameters(bundle.optimizer, meta["optimizer"]["param_groups"])
     else:
         set_state_dict(bundle.model, bundle.optimizer, model_state_dict=target["model"],
-                       optim_state_dict=_merge(target["optimizer"], meta["optimizer"]))
+                       optim_state_dict=_merge(bundle.optimizer, target["optimizer"],
+                                               meta["optimizer"]))
     if bundle.scheduler is not None and meta.get("scheduler") is not None:
         bundle.scheduler.load_state_dict(meta["scheduler"])
     if bundle.scaler is not None and meta.get("scaler") is not None:
@@ -382,10 +435,7 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
 
 def _set_hyperparameters(optimizer: torch.optim.Optimizer,
                          groups: list[dict[str, Any]]) -> None:
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint has {len(groups)} optimizer param groups, the "
-                              f"optimizer {len(optimizer.param_groups)}")
-    for mine, saved in zip(optimizer.param_groups, groups, strict=True):
+    for mine, saved in zip(optimizer.param_groups, _typed_groups(optimizer, groups), strict=True):
         mine.update({k: v for k, v in saved.items() if k != "params"})
 
 
@@ -403,7 +453,12 @@ def _resume_data(bundle: Bundle, data: dict[str, Any]) -> None:
     loader = bundle.loader
     if not isinstance(loader, DeviceLoader):
         return
+    if data.get("seed") is not None and loader.seed is not None and data["seed"] != loader.seed:
+        raise CheckpointError(
+            f"the checkpoint's data order used sampler seed {data['seed']}, this loader uses "
+            f"{loader.seed}; pass distribute_data(seed={data['seed']}) to resume the same order")
     epoch, done = int(data["epoch"]), int(data["batch_in_epoch"])
-    if done >= len(loader):
+    length = loader.epoch_length()
+    if length is not None and done >= length:
         epoch, done = epoch + 1, 0
     loader.resume(epoch, done)

@@ -74,6 +74,9 @@ class DeviceLoader:
         self.batch_in_epoch = 0
         self._next_epoch = 0
         self._resume_at = 0  # batches of the next epoch already consumed before a resume
+        generator = getattr(loader, "generator", None)
+        # the base of the per-epoch seeds of the loader's generator (the user's seed, if any)
+        self._generator_seed = generator.initial_seed() if generator is not None else 0
         # batches on the CPU are already where they belong: no transfer at all
         self._move = device.type != "cpu"
 
@@ -97,6 +100,20 @@ class DeviceLoader:
                 "epoch ends")
         self._next_epoch, self._resume_at = epoch, batch_in_epoch
 
+    def epoch_length(self) -> int | None:
+        """Batches in a whole epoch (however far the current one has got), or None if the
+        loader has no length."""
+        sampler = self.sampler
+        if isinstance(sampler, ResumableSampler):
+            size = getattr(self.loader, "batch_size", None) or 1
+            samples = sampler.num_samples
+            return samples // size if getattr(self.loader, "drop_last", False) \
+                else -(-samples // size)
+        try:
+            return len(self.loader)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
     @property
     def seed(self) -> int | None:
         """The sampler's shuffling seed, when it has one."""
@@ -119,8 +136,9 @@ class DeviceLoader:
         if isinstance(self.sampler, ResumableSampler):
             self.sampler.start = self.batch_in_epoch * (getattr(self.loader, "batch_size", 1) or 1)
             generator = getattr(self.loader, "generator", None)
-            if generator is not None:  # worker seeds depend on (seed, epoch) only
-                generator.manual_seed(self.sampler.seed * 1_000_003 + self.epoch)
+            if generator is not None:  # worker seeds depend on (seeds, epoch) only
+                generator.manual_seed((self._generator_seed + self.sampler.seed * 1_000_003
+                                       + self.epoch) % 2**63)
         device, non_blocking = self.device, self.non_blocking
         for batch in self.loader:
             if self._move:

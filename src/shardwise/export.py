@@ -83,13 +83,20 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *,
     """
     env, out = bundle.env, Path(path)
     tensors = _gathered(bundle.model, env.is_main, dtype)
+    problem = ""
     if env.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
-            save_file(_unshared(tensors), str(out / WEIGHTS), metadata={"format": "pt"})
+            tmp = out / f".{WEIGHTS}.tmp"
+            save_file(_unshared(tensors), str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, out / WEIGHTS)  # an earlier export stays whole until then
             _write_config(bundle.model, out)
         except OSError as exc:
-            raise CheckpointError(f"cannot write the export to {out}: {exc}") from exc
-    if env.is_distributed and dist.is_initialized():
-        dist.barrier()
+            problem = f"{type(exc).__name__}: {exc}"
+    if env.is_distributed and dist.is_initialized():  # every rank learns how it went
+        flag = torch.tensor([0 if problem else 1], device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        problem = problem or ("" if flag.item() else "on rank 0")
+    if problem:
+        raise CheckpointError(f"cannot write the export to {out}: {problem}")
     return out

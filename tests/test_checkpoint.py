@@ -412,7 +412,7 @@ def test_a_missing_shard_file_is_a_partial_checkpoint(tmp_path):
 def test_keep_last_after_a_rollback_and_debris_cleanup(tmp_path):
     bundle = build([], accumulate=1)
     state = bundle.init()
-    for step in (1, 2, 3):
+    for _ in range(3):
         state, _ = run(bundle, state, 1)
         sw.save(tmp_path, bundle, state)
     (tmp_path / ".tmp.step_00000009").mkdir()  # an interrupted save of another step

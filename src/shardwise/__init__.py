@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from shardwise import errors, policies, testing
 from shardwise.bundle import Bundle, Plan
 from shardwise.checkpoint import latest_checkpoint, load, save
+from shardwise.configs import from_config, from_ddp_args
 from shardwise.data import to_device
 from shardwise.distributed import ensure_process_group
 from shardwise.env import CONFIG_ENV_VAR, Env, detect
@@ -65,6 +66,8 @@ __all__ = [
     "load",
     "estimate_memory",
     "export",
+    "from_config",
+    "from_ddp_args",
     "errors",
     "policies",
     "testing",

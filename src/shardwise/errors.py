@@ -19,6 +19,7 @@ __all__ = [
     "RankFailedError",
     "PolicyError",
     "CheckpointError",
+    "ConfigError",
 ]
 
 
@@ -64,3 +65,7 @@ class PolicyError(ShardwiseError, ValueError):
 
 class CheckpointError(ShardwiseError, ValueError):
     """A checkpoint is missing, partial, corrupt, or does not fit the bundle."""
+
+
+class ConfigError(ShardwiseError, ValueError):
+    """A config file (Accelerate, DeepSpeed, FSDP) holds a key or value shardwise cannot take."""

@@ -88,6 +88,7 @@ class Pipeline:
     steps: tuple[Step, ...]
     on_nonfinite: OnNonFinite = "raise"
     choose_distribution: bool = False
+    notes: tuple[str, ...] = ()
 
     def resolve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 *, batch: Any = None, loader: Iterable[Any] | None = None) -> Pipeline:
@@ -146,6 +147,7 @@ class Pipeline:
                          f"{SAFE_FRACTION:.0%} of device memory, else shard, else shard + "
                          "checkpoint_activations, else also offload; explain(model) shows it")
         lines.append(f"  non-finite loss/gradient in fp32/bf16: {self.on_nonfinite}")
+        lines += [f"  notice: {note}" for note in self.notes]
         return "\n".join(lines)
 
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,

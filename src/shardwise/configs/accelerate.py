@@ -1,0 +1,98 @@
+# Accelerate's default_config.yaml mapped onto a pipeline.
+"""``accelerate config`` YAML -> transforms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from shardwise.configs._read import Source
+from shardwise.configs.deepspeed import deepspeed_transforms, stage_transforms
+from shardwise.configs.fsdp import fsdp_transforms
+from shardwise.env import Env
+from shardwise.errors import ConfigError
+from shardwise.transforms.accumulate_gradients import accumulate_gradients
+from shardwise.transforms.base import Transform
+from shardwise.transforms.clip_gradients import clip_gradients
+from shardwise.transforms.mixed_precision import mixed_precision
+from shardwise.transforms.replicate import replicate
+
+LAUNCH = {"compute_environment", "num_processes", "num_machines", "machine_rank",
+          "main_process_ip", "main_process_port", "rdzv_backend", "same_network", "gpu_ids",
+          "use_cpu", "main_training_function", "debug", "enable_cpu_affinity"}
+IGNORED = {"tpu_env": "is for TPUs", "tpu_use_cluster": "is for TPUs",
+           "tpu_use_sudo": "is for TPUs", "dynamo_config": "is not applied (no compile yet)",
+           "downcast_bf16": "is for TPUs: bf16 here keeps fp32 master weights"}
+TOP = {"distributed_type", "mixed_precision", "fsdp_config", "deepspeed_config",
+       *LAUNCH, *IGNORED}
+DS_BLOCK = {"zero_stage", "offload_optimizer_device", "offload_param_device",
+            "gradient_accumulation_steps", "gradient_clipping", "deepspeed_config_file",
+            "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher"}
+
+
+def _deepspeed_block(src: Source, block: dict[str, Any], env: Env) -> list[Transform]:
+    src.check_keys(block, DS_BLOCK, " in deepspeed_config")
+    for key in ("zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher"):
+        if key in block:
+            src.notice(f"deepspeed_config.{key}", "has no meaning outside DeepSpeed")
+    if "deepspeed_config_file" in block:
+        path = Path(str(block["deepspeed_config_file"]))
+        if not path.is_absolute() and src.base is not None:
+            path = src.base / path
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{src.origin}: deepspeed_config.deepspeed_config_file={path}: "
+                              f"{exc}") from None
+        inner = Source(data, str(path), path.parent)
+        out, steps = deepspeed_transforms(inner, env)
+        src.notices += inner.notices
+        if "gradient_accumulation_steps" in block and steps is not None:
+            mine = src.integer("deepspeed_config.gradient_accumulation_steps",
+                               block["gradient_accumulation_steps"], 1)
+            if mine != steps:
+                raise ConfigError(
+                    f"{src.origin}: deepspeed_config.gradient_accumulation_steps={mine} "
+                    f"contradicts gradient_accumulation_steps={steps} in {path}; set it once")
+        return out
+    stage = src.integer("deepspeed_config.zero_stage", block.get("zero_stage", 0))
+    out = stage_transforms(src, stage, [
+        ("deepspeed_config.offload_optimizer_device", block.get("offload_optimizer_device")),
+        ("deepspeed_config.offload_param_device", block.get("offload_param_device"))])
+    steps = src.integer("deepspeed_config.gradient_accumulation_steps",
+                        block.get("gradient_accumulation_steps", 1), 1)
+    if steps > 1:
+        out.append(accumulate_gradients(steps))
+    clip = block.get("gradient_clipping")
+    if clip is not None and clip != "auto":
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+            raise src.fail("deepspeed_config.gradient_clipping", clip, "a number >= 0")
+        if clip > 0:
+            out.append(clip_gradients(float(clip)))
+    return out
+
+
+def accelerate_transforms(src: Source, env: Env) -> list[Transform]:
+    """Transforms for an Accelerate config mapping."""
+    cfg = src.data
+    src.check_keys(cfg, TOP)
+    for key, why in IGNORED.items():
+        if key in cfg:
+            src.notice(key, why)
+    kind = src.choice("distributed_type", cfg.get("distributed_type", "NO"),
+                      ["NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED"])
+    out: list[Transform] = []
+    if kind in ("MULTI_CPU", "MULTI_GPU"):
+        out.append(replicate())
+    elif kind == "FSDP":
+        out += fsdp_transforms(src, dict(cfg.get("fsdp_config") or {}))
+    elif kind == "DEEPSPEED":
+        out += _deepspeed_block(src, dict(cfg.get("deepspeed_config") or {}), env)
+    precision = cfg.get("mixed_precision", "no")
+    if str(precision).lower() == "fp8":
+        raise src.fail("mixed_precision", precision, "no, fp16, bf16 (fp8 is not supported)")
+    precision = src.choice("mixed_precision", str(precision).upper(), ["NO", "FP16", "BF16"])
+    if precision != "NO" and not any(type(t).__name__ == "MixedPrecision" for t in out):
+        out.append(mixed_precision(precision.lower()))  # type: ignore[arg-type]
+    return out

@@ -1,0 +1,182 @@
+# from_config / from_ddp_args: Accelerate YAML, DeepSpeed JSON, Transformers fsdp_config, DDP args.
+import json
+import logging
+
+import pytest
+import torch
+import yaml
+
+import shardwise as sw
+from shardwise.errors import ConfigError
+from shardwise.testing import SyntheticTokens, TinyTransformerLM, run_distributed
+
+CPU_ONE = sw.Env()
+CPU_TWO = sw.Env(world_size=2, local_world_size=2)
+GPU_FOUR = sw.Env(world_size=4, local_world_size=4, device="meta",
+                  precisions=("fp32", "bf16", "fp16"))
+
+SEED = {
+    "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "fsdp_config": {
+        "fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_cpu_offload": False,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_activation_checkpointing": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
+    "mixed_precision": "bf16", "num_machines": 1, "num_processes": 4}
+
+
+def parts(pipe):
+    """The transforms the config asked for (not the pipeline's own defaults)."""
+    return [s.transform for s in pipe.steps if not (s.reason or "").startswith("default")
+            and type(s.transform).__name__ not in ("Place", "DistributeData")]
+
+
+def test_the_seed_accelerate_config_loads_exactly(tmp_path):
+    path = tmp_path / "default_config.yaml"
+    path.write_text(yaml.safe_dump(SEED))
+    pipe = sw.from_config(path, env=GPU_FOUR)
+    assert parts(pipe) == [sw.mixed_precision("bf16"),
+                           sw.shard(sw.by_class("LlamaDecoderLayer"), reshard_after_forward=True)]
+    text = pipe.explain()
+    assert f"from accelerate config {path}" in text
+    assert "shard(policy=by_class('LlamaDecoderLayer'), reshard_after_forward=True" in text
+    assert "fsdp_cpu_ram_efficient_loading is not carried out yet" in text
+
+
+@pytest.mark.parametrize("block, expected", [
+    ({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}, [sw.shard(reshard_after_forward=False)]),
+    ({"fsdp_sharding_strategy": 1}, [sw.shard()]),
+    ({"fsdp_sharding_strategy": "NO_SHARD"}, [sw.replicate()]),
+    ({"fsdp_sharding_strategy": "HYBRID_SHARD"}, [sw.shard(replicate_across_nodes=True)]),
+    ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 1000},
+     [sw.shard(sw.by_size(1000))]),
+    ({"fsdp_offload_params": True, "fsdp_activation_checkpointing": True,
+      "fsdp_transformer_layer_cls_to_wrap": "A,B"},
+     [sw.offload(), sw.checkpoint_activations(sw.by_class("A", "B")),
+      sw.shard(sw.by_class("A", "B"))]),
+])
+def test_fsdp_version_1_and_2_keys_map_onto_fsdp2(block, expected):
+    pipe = sw.from_config({"distributed_type": "FSDP", "fsdp_config": block}, env=CPU_ONE)
+    assert parts(pipe) == expected
+
+
+def test_transformers_fsdp_config_without_prefixes():
+    pipe = sw.from_config({"transformer_layer_cls_to_wrap": ["TinyDecoderBlock"],
+                           "reshard_after_forward": False, "use_orig_params": True}, env=CPU_ONE)
+    assert parts(pipe) == [sw.shard(sw.by_class("TinyDecoderBlock"), reshard_after_forward=False)]
+    assert "fsdp_use_orig_params is always true under FSDP2" in pipe.explain()
+
+
+def test_keys_without_meaning_under_fsdp2_give_one_notice_each(caplog):
+    block = {"fsdp_use_orig_params": True, "fsdp_sync_module_states": True,
+             "fsdp_backward_prefetch": "BACKWARD_PRE"}
+    with caplog.at_level(logging.WARNING, logger="shardwise.configs"):
+        sw.from_config({"distributed_type": "FSDP", "fsdp_config": block}, env=CPU_ONE)
+    assert len(caplog.records) == 3
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"zero_optimization": {"stage": 0}}, [sw.replicate()]),
+    ({"zero_optimization": {"stage": 1}}, [sw.replicate(), sw.shard_optimizer()]),
+    ({"zero_optimization": {"stage": 2}}, [sw.shard(reshard_after_forward=False)]),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                            "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True},
+      "gradient_accumulation_steps": 4, "gradient_clipping": 1.0},
+     [sw.mixed_precision("bf16"), sw.accumulate_gradients(4), sw.clip_gradients(1.0),
+      sw.offload(), sw.shard()]),
+])
+def test_deepspeed_stages_map_onto_native_transforms(tmp_path, config, expected):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    assert sorted(map(repr, parts(sw.from_config(path, env=GPU_FOUR)))) == \
+        sorted(map(repr, expected))
+
+
+def test_deepspeed_auto_values_and_unapplied_blocks_are_reported():
+    config = {"zero_optimization": {"stage": 2, "overlap_comm": True},
+              "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+              "optimizer": {"type": "AdamW"}, "fp16": {"enabled": "auto"}}
+    text = sw.from_config(config, env=CPU_TWO).explain()
+    assert "optimizer is not applied: the optimizer and scheduler you pass are used" in text
+    assert "gradient_accumulation_steps is 'auto'" in text
+    assert "zero_optimization.overlap_comm is DeepSpeed tuning" in text
+
+
+def test_accelerate_deepspeed_block_with_a_contradicting_json(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3},
+                                                  "gradient_accumulation_steps": 2}))
+    config = {"distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "deepspeed_config_file": "ds.json", "gradient_accumulation_steps": 4}}
+    path = tmp_path / "acc.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=4 contradicts "
+                                          "gradient_accumulation_steps=2 in .*ds.json"):
+        sw.from_config(path, env=CPU_ONE)
+    config["deepspeed_config"]["gradient_accumulation_steps"] = 2
+    path.write_text(yaml.safe_dump(config))
+    assert sw.shard() in parts(sw.from_config(path, env=CPU_ONE))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"distributed_type": "TPU"}, "distributed_type='TPU' is not accepted; accepted: NO, "
+                                  "MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED"),
+    ({"distributed_type": "NO", "mixed_precision": "fp8"}, "fp8 is not supported"),
+    ({"distributed_type": "NO", "num_gpus": 2}, "unknown key(s) ['num_gpus']"),
+    ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_versio": 2}}, "unknown key(s) ['versio']"),
+    ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 3}}, "fsdp_version=3"),
+    ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_reshard_after_forward": "maybe"}},
+     "fsdp_reshard_after_forward='maybe' is not accepted; accepted: true or false"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "zero_optimization.offload_param.device='nvme'"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4"),
+    ({"zero_optimization": {"stage": 1}, "train_batch_size": 30,
+      "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     "train_batch_size=30 must equal train_micro_batch_size_per_gpu (4) x "
+     "gradient_accumulation_steps (2) x world size (2) = 16"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable one"),
+    ({"something": 1}, "cannot tell the format"),
+])
+def test_bad_configs_name_the_key_value_and_accepted(config, message):
+    with pytest.raises(ConfigError) as info:
+        sw.from_config(config, env=CPU_TWO)
+    assert message in str(info.value)
+    assert str(info.value).startswith("<mapping>: ")  # names the source
+
+
+def test_bad_files_are_named(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("distributed_type: [FSDP\n")
+    with pytest.raises(ConfigError, match="broken.yaml is not valid YAML"):
+        sw.from_config(broken)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        sw.from_config(tmp_path / "missing.yaml")
+
+
+def test_from_ddp_args_maps_transformers_settings():
+    pipe = sw.from_ddp_args(ddp_backend="gloo", ddp_find_unused_parameters=True,
+                            ddp_bucket_cap_mb=50, ddp_timeout=7200, env=CPU_TWO)
+    assert sw.replicate(bucket_mb=50, find_unused_parameters=True) in pipe.transforms
+    assert pipe.env.timeout.total_seconds() == 7200 and pipe.env.backend == "gloo"
+    with pytest.raises(ConfigError, match="ddp_backend='nccl2' is not accepted"):
+        sw.from_ddp_args(ddp_backend="nccl2")
+
+
+def train_from_seed():
+    config = {**SEED, "mixed_precision": "no", "fsdp_config": {
+        **SEED["fsdp_config"], "fsdp_transformer_layer_cls_to_wrap": "TinyDecoderBlock",
+        "fsdp_cpu_ram_efficient_loading": False}}
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
+    loader = torch.utils.data.DataLoader(SyntheticTokens(size=64, seq_len=8), batch_size=4,
+                                         shuffle=True)
+    bundle = sw.from_config(config)(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader)
+    state, losses = bundle.init(), []
+    for batch in bundle.loader:
+        state, out = bundle.step(state, batch)
+        losses.append(out.loss.item())
+    return type(bundle.model).__name__, losses
+
+
+def test_the_seed_config_trains_sharded_on_two_ranks():
+    for model_type, losses in run_distributed(train_from_seed, world_size=2):
+        assert model_type == "FSDPTinyTransformerLM"
+        assert losses[-1] < losses[0]

@@ -182,6 +182,10 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
     ``replicate()`` for several processes, bf16 on CUDA devices that compute it natively
     (else fp32), placement, and data distribution when a loader is passed.
 
+    When the env's ``config_path`` is set (``shardwise launch --config_file``, or
+    ``$SHARDWISE_CONFIG_FILE``), the config file's transforms (:func:`shardwise.from_config`)
+    are added, except those the code gives itself (same kind, or another distribution).
+
     Args:
         *parts: an optional :class:`Env` (else :func:`detect` is called) and transforms.
         on_nonfinite: ``"raise"`` or ``"skip"`` on a non-finite loss/gradient in fp32/bf16.
@@ -207,9 +211,32 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
         raise ValueError(f"pipeline() 'on_nonfinite' must be 'raise' or 'skip' "
                          f"(got {on_nonfinite!r})")
     env = envs[0] if envs else detect()
+    configured, notes = _from_config_file(env, transforms)
+    transforms = [*configured, *transforms]
     _check(transforms, env)
-    steps = [Step(t) for t in transforms] + _defaults(env, transforms)
+    reason = f"from config {env.config_path}"
+    steps = [Step(t, reason if t in configured else None) for t in transforms]
+    steps += _defaults(env, transforms)
     steps.sort(key=lambda s: s.transform.stage)  # stable: user order kept within a stage
     choose = env.is_distributed and not any(t.stage == Stage.DISTRIBUTION for t in transforms)
     return Pipeline(env=env, steps=tuple(steps), on_nonfinite=on_nonfinite,
-                    choose_distribution=choose)
+                    choose_distribution=choose, notes=notes)
+
+
+def _from_config_file(env: Env, given: list[Transform]) -> tuple[list[Transform], tuple[str, ...]]:
+    """The transforms of the config file handed over in ``env.config_path`` (by
+    ``shardwise launch``) that the code does not set itself, and the config's notices."""
+    if not env.config_path:
+        return [], ()
+    from shardwise.configs import from_config
+
+    configured = from_config(env.config_path, env=env)
+    kinds = {type(t) for t in given}
+    distributes = any(t.stage == Stage.DISTRIBUTION for t in given)
+    chosen = [s.transform for s in configured.steps
+              if s.reason and s.reason.startswith("from ")
+              and type(s.transform) not in kinds
+              and not (distributes and s.transform.stage == Stage.DISTRIBUTION)]
+    note = (f"config {env.config_path} applied; transforms given in code take precedence "
+            "over it")
+    return chosen, (*configured.notes, note)

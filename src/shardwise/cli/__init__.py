@@ -7,10 +7,11 @@ import argparse
 import sys
 
 from shardwise.cli import env as env_command
+from shardwise.cli import launch as launch_command
 
 __all__ = ["main"]
 
-_COMMANDS = {"env": env_command}
+_COMMANDS = {"env": env_command, "launch": launch_command}
 
 
 def main(argv: list[str] | None = None) -> int:

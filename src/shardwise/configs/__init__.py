@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from shardwise.configs._read import Source, load_source
 from shardwise.configs.accelerate import accelerate_transforms
 from shardwise.configs.deepspeed import deepspeed_transforms
@@ -43,10 +45,10 @@ def _kind(src: Source) -> str:
 
 
 def _explained(env: Env, transforms: list[Transform], src: Source, kind: str) -> Pipeline:
-    pipe = pipeline(env, *transforms)
+    pipe = pipeline(attrs.evolve(env, config_path=None), *transforms)  # not the config again
     reason = f"from {kind} config {src.origin}"
     steps = tuple(s if s.reason else type(s)(s.transform, reason) for s in pipe.steps)
-    return Pipeline(env=pipe.env, steps=steps, on_nonfinite=pipe.on_nonfinite,
+    return Pipeline(env=env, steps=steps, on_nonfinite=pipe.on_nonfinite,
                     choose_distribution=pipe.choose_distribution, notes=tuple(src.notices))
 
 
@@ -101,8 +103,6 @@ def from_ddp_args(*, ddp_backend: str | None = None,
     if env is None:
         env = detect(**overrides)
     elif overrides:
-        import attrs
-
         env = attrs.evolve(env, **overrides)
     options: dict[str, Any] = {}
     if ddp_find_unused_parameters is not None:

@@ -1,0 +1,130 @@
+# `shardwise launch`: run a script on torchrun with settings from an Accelerate-style config.
+"""The ``launch`` subcommand: ``torch.distributed.run`` with mapped arguments."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HELP = "run a training script on torchrun (config file and flags like `accelerate launch`)"
+
+_LAUNCH_KEYS = ("num_processes", "num_machines", "machine_rank", "main_process_ip",
+                "main_process_port", "rdzv_backend", "mixed_precision")
+
+
+def default_config_path() -> Path:
+    """Where `shardwise config` writes and `launch` looks: $SHARDWISE_CONFIG_DIR, else
+    ~/.cache/shardwise/, file default_config.yaml."""
+    base = os.environ.get("SHARDWISE_CONFIG_DIR") or Path.home() / ".cache" / "shardwise"
+    return Path(base) / "default_config.yaml"
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Accelerate's launch flags, then the script and its arguments."""
+    parser.add_argument("--config_file", help="an Accelerate/shardwise YAML (default: "
+                        "$SHARDWISE_CONFIG_DIR or ~/.cache/shardwise/default_config.yaml)")
+    parser.add_argument("--num_processes", type=int, help="processes in total, all machines")
+    parser.add_argument("--num_machines", type=int)
+    parser.add_argument("--machine_rank", type=int)
+    parser.add_argument("--main_process_ip")
+    parser.add_argument("--main_process_port", type=int, help="0 picks a free port")
+    parser.add_argument("--rdzv_backend", choices=["static", "c10d"])
+    parser.add_argument("--max_restarts", type=int, default=0)
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"])
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="run the script as a module, like python -m")
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+
+
+def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None, bool]:
+    """The config file's settings with the command line's on top, the file read, and whether
+    the command line changed any of them."""
+    import yaml
+
+    from shardwise.errors import ConfigError
+
+    path: Path | None = Path(args.config_file) if args.config_file else default_config_path()
+    assert path is not None
+    data: dict[str, Any] = {}
+    if path.is_file():
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path} must hold a mapping of keys to values")
+        data = loaded
+    elif args.config_file:
+        raise ConfigError(f"--config_file {path}: no such file")
+    else:
+        path = None
+    changed = False
+    for key in _LAUNCH_KEYS:
+        value = getattr(args, key)
+        if value is not None:
+            changed = changed or data.get(key) != value
+            data[key] = value
+    return data, path, changed
+
+
+def _free_port() -> int:
+    from shardwise.testing import free_port
+
+    return free_port()
+
+
+def torchrun_args(settings: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """torchrun's arguments for these settings."""
+    from shardwise.errors import ConfigError
+
+    machines = int(settings.get("num_machines", 1))
+    total = int(settings.get("num_processes", 1))
+    if machines < 1 or total < machines or total % machines:
+        raise ConfigError(f"num_processes={total} must be a positive multiple of "
+                          f"num_machines={machines} (processes are spread evenly)")
+    port = int(settings.get("main_process_port") or 0) or _free_port()
+    out = [f"--nproc_per_node={total // machines}", f"--max_restarts={args.max_restarts}"]
+    if machines == 1 and settings.get("rdzv_backend", "static") == "static":
+        out += ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    elif settings.get("rdzv_backend", "static") == "c10d":
+        ip = settings.get("main_process_ip", "127.0.0.1")
+        out += [f"--nnodes={machines}", "--rdzv_backend=c10d", f"--rdzv_endpoint={ip}:{port}",
+                "--rdzv_id=shardwise"]
+    else:
+        if "main_process_ip" not in settings or "machine_rank" not in settings:
+            raise ConfigError("a static launch on several machines needs main_process_ip and "
+                              "machine_rank (or use --rdzv_backend c10d)")
+        out += [f"--nnodes={machines}", f"--node_rank={settings['machine_rank']}",
+                f"--master_addr={settings['main_process_ip']}", f"--master_port={port}"]
+    if args.module:
+        out.append("-m")
+    return [*out, args.script, *args.script_args]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the job; returns torchrun's exit code."""
+    import yaml
+
+    from shardwise.env import CONFIG_ENV_VAR
+
+    settings, path, changed = _settings(args)
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(settings, args)]
+    child_env = dict(os.environ)
+    handed = None
+    if path is not None and not changed:
+        child_env[CONFIG_ENV_VAR] = str(path.resolve())
+    elif path is not None or args.mixed_precision:
+        # hand the settings in effect (file plus flags) to the script: sw.detect() reads them
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="shardwise-",
+                                         delete=False) as stream:
+            yaml.safe_dump({"distributed_type": "NO", **settings}, stream)
+        handed = Path(stream.name)
+        child_env[CONFIG_ENV_VAR] = str(handed)
+    try:
+        return subprocess.call(command, env=child_env)
+    finally:
+        if handed is not None:
+            handed.unlink(missing_ok=True)

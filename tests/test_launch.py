@@ -1,0 +1,86 @@
+# `shardwise launch`: torchrun underneath, config handed to the script, flags over the file.
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardwise.cli.launch import default_config_path, register, torchrun_args
+from shardwise.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    register(parser)
+    return parser.parse_args(argv)
+
+
+def launch(*argv, cwd=ROOT):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "shardwise.cli", "launch", *argv],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=240)
+
+
+def test_launch_runs_the_example_on_two_processes():
+    proc = launch("--num_processes", "2", "examples/train.py", "--epochs", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "DistributedDataParallel over 2 ranks" in proc.stdout
+    assert "done: 16 optimizer steps on 2 process(es)" in proc.stdout
+
+
+def test_launch_hands_its_config_to_the_script(tmp_path):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump({
+        "distributed_type": "FSDP", "num_processes": 2, "mixed_precision": "no",
+        "fsdp_config": {"fsdp_version": 2, "fsdp_transformer_layer_cls_to_wrap": "TinyDecoderBlock"}}))
+    proc = launch("--config_file", str(config), "examples/train.py", "--epochs", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "shard(policy=by_class('TinyDecoderBlock')" in proc.stdout
+    assert f"[from config {config}]" in proc.stdout
+    assert "on 2 process(es)" in proc.stdout
+
+
+def test_a_failing_script_fails_the_launch(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("raise SystemExit(3)\n")
+    proc = launch("--num_processes", "2", str(script))
+    assert proc.returncode != 0
+
+
+def test_torchrun_arguments_for_one_and_several_machines():
+    args = torchrun_args({"num_processes": 4}, parse("train.py", "--lr", "1"))
+    assert args[:3] == ["--nproc_per_node=4", "--max_restarts=0", "--nnodes=1"]
+    assert args[-3:] == ["train.py", "--lr", "1"]
+    assert int(next(a for a in args if a.startswith("--master_port=")).split("=")[1]) > 0
+    c10d = torchrun_args({"num_processes": 4, "num_machines": 2, "rdzv_backend": "c10d",
+                          "main_process_ip": "10.1.2.3", "main_process_port": 29400},
+                         parse("-m", "pkg.train"))
+    assert "--nproc_per_node=2" in c10d and "--rdzv_endpoint=10.1.2.3:29400" in c10d
+    assert c10d[-2:] == ["-m", "pkg.train"]
+    static = torchrun_args({"num_processes": 2, "num_machines": 2, "machine_rank": 1,
+                            "main_process_ip": "h0", "main_process_port": 1234},
+                           parse("t.py"))
+    assert {"--node_rank=1", "--master_addr=h0", "--master_port=1234"} <= set(static)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"num_processes": 3, "num_machines": 2}, "num_processes=3 must be a positive multiple"),
+    ({"num_processes": 2, "num_machines": 2}, "needs main_process_ip and machine_rank"),
+])
+def test_impossible_launch_settings_are_refused(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        torchrun_args(settings, parse("t.py"))
+
+
+def test_the_default_config_place(monkeypatch, tmp_path):
+    monkeypatch.setenv("SHARDWISE_CONFIG_DIR", str(tmp_path))
+    assert default_config_path() == tmp_path / "default_config.yaml"
+    monkeypatch.delenv("SHARDWISE_CONFIG_DIR")
+    assert default_config_path() == Path.home() / ".cache" / "shardwise" / "default_config.yaml"

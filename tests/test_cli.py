@@ -1,6 +1,9 @@
 # The `shardwise` command.
+import os
 import subprocess
 import sys
+
+import yaml
 
 import shardwise as sw
 from shardwise.cli import main
@@ -15,8 +18,40 @@ def test_version(capsys):
     assert sw.__version__ == "0.1.0"
 
 
-def test_env_subcommand_prints_detected_fields():
-    out = subprocess.run([sys.executable, "-m", "shardwise.cli", "env"], capture_output=True,
-                         text=True, check=True, env={"PATH": "", "RANK": "1", "WORLD_SIZE": "2",
-                                                     "LOCAL_RANK": "1"}).stdout
+def cli(*argv, stdin="", **env):
+    return subprocess.run([sys.executable, "-m", "shardwise.cli", *argv], capture_output=True,
+                          text=True, check=True, input=stdin,
+                          env={"PATH": os.environ.get("PATH", ""), "HOME": "/nonexistent",
+                               **env}).stdout
+
+
+def test_env_subcommand_prints_versions_fields_and_config(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("distributed_type: MULTI_CPU\n")
+    out = cli("env", RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", SHARDWISE_CONFIG_FILE=str(config))
     assert "world_size           2" in out and "launcher             env" in out
+    assert f"shardwise            {sw.__version__}" in out and "torch                2.13" in out
+    assert f"config in effect     {config}" in out and "distributed_type: MULTI_CPU" in out
+
+
+def test_config_default_writes_a_file_from_config_reads(tmp_path):
+    out = cli("config", "default", SHARDWISE_CONFIG_DIR=str(tmp_path))
+    path = tmp_path / "default_config.yaml"
+    assert f"configuration saved at {path}" in out
+    data = yaml.safe_load(path.read_text())
+    assert data["distributed_type"] == "MULTI_CPU" and data["num_processes"] == 2
+    assert sw.replicate() in sw.from_config(path, env=sw.Env()).transforms
+
+
+def test_config_asks_questions_on_stdin(tmp_path):
+    path = tmp_path / "fsdp.yaml"
+    answers = "FSDP\n4\nbf16\nTinyDecoderBlock\nno\nyes\n\n"
+    cli("config", "--config_file", str(path), stdin=answers)
+    data = yaml.safe_load(path.read_text())
+    assert data["num_processes"] == 4 and data["mixed_precision"] == "bf16"
+    assert data["fsdp_config"]["fsdp_reshard_after_forward"] is False
+    assert data["fsdp_config"]["fsdp_cpu_offload"] is True
+    env = sw.Env(world_size=4, local_world_size=4)
+    pipe = sw.from_config(path, env=env)
+    assert sw.shard(sw.by_class("TinyDecoderBlock"), reshard_after_forward=False) in \
+        pipe.transforms and sw.offload() in pipe.transforms

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardwise.cli import config as config_command
 from shardwise.cli import env as env_command
 from shardwise.cli import launch as launch_command
 
 __all__ = ["main"]
 
-_COMMANDS = {"env": env_command, "launch": launch_command}
+_COMMANDS = {"config": config_command, "env": env_command, "launch": launch_command}
 
 
 def main(argv: list[str] | None = None) -> int:

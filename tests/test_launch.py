@@ -84,3 +84,43 @@ def test_the_default_config_place(monkeypatch, tmp_path):
     assert default_config_path() == tmp_path / "default_config.yaml"
     monkeypatch.delenv("SHARDWISE_CONFIG_DIR")
     assert default_config_path() == Path.home() / ".cache" / "shardwise" / "default_config.yaml"
+
+
+TWO_NODE_SCRIPT = """
+import torch, shardwise as sw
+from torch.utils.data import DataLoader
+from shardwise.testing import SyntheticTokens, TinyTransformerLM
+torch.manual_seed(0)
+model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
+loader = DataLoader(SyntheticTokens(size=64, seq_len=8), batch_size=4, shuffle=True)
+env = sw.detect()
+bundle = sw.pipeline(env)(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader)
+state = bundle.init()
+for batch in bundle.loader:
+    state, out = bundle.step(state, batch)
+total = sum(float(p.detach().double().sum()) for p in bundle.model.parameters())
+print(f"RANK {env.rank} NODE {env.node_rank} OF {env.num_nodes} STEPS {state.step} SUM {total!r}")
+"""
+
+
+def test_two_machines_on_loopback_with_c10d_end_with_identical_parameters(tmp_path):
+    from shardwise.testing import free_port
+
+    script = tmp_path / "two_nodes.py"
+    script.write_text(TWO_NODE_SCRIPT)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "shardwise.cli", "launch", "--num_machines", "2",
+         "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+         "--main_process_port", str(port), "--rdzv_backend", "c10d", str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        for rank in (0, 1)]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    lines = sorted(line for out, _ in outputs for line in out.splitlines()
+                   if line.startswith("RANK"))
+    assert len(lines) == 2
+    assert {line.split(" SUM ")[1] for line in lines} == {lines[0].split(" SUM ")[1]}
+    assert all("OF 2 STEPS 8" in line for line in lines)
+    assert {line.split(" NODE ")[1][0] for line in lines} == {"0", "1"}

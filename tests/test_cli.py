@@ -55,3 +55,21 @@ def test_config_asks_questions_on_stdin(tmp_path):
     pipe = sw.from_config(path, env=env)
     assert sw.shard(sw.by_class("TinyDecoderBlock"), reshard_after_forward=False) in \
         pipe.transforms and sw.offload() in pipe.transforms
+
+
+def test_estimate_memory_for_a_factory_and_a_transformers_config(tmp_path):
+    out = cli("estimate-memory", "shardwise.testing:TinyTransformerLM", "--world_sizes", "1,2",
+              "--precisions", "fp32")
+    assert "TinyTransformerLM: 0.0M parameters" in out
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert len(rows) == 10 and rows[0][:3] == ["1", "fp32", "replicate"]
+    two_shard = next(r for r in rows if r[:3] == ["2", "fp32", "shard"] and r[3] != "+")
+    one = rows[0]
+    assert float(two_shard[-1]) <= float(one[-1])
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, '
+                      '"intermediate_size": 128, "num_hidden_layers": 2, '
+                      '"num_attention_heads": 4, "num_key_value_heads": 4}')
+    out = cli("estimate-memory", str(config), "--world_sizes", "4", "--seq_len", "64")
+    assert out.startswith("LlamaForCausalLM: 0.2M parameters")
+    assert "n/a" not in out  # activations measured on the meta device

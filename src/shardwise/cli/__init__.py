@@ -8,11 +8,13 @@ import sys
 
 from shardwise.cli import config as config_command
 from shardwise.cli import env as env_command
+from shardwise.cli import estimate_memory as estimate_command
 from shardwise.cli import launch as launch_command
 
 __all__ = ["main"]
 
-_COMMANDS = {"config": config_command, "env": env_command, "launch": launch_command}
+_COMMANDS = {"config": config_command, "env": env_command, "estimate-memory": estimate_command,
+             "launch": launch_command}
 
 
 def main(argv: list[str] | None = None) -> int:

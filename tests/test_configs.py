@@ -39,7 +39,8 @@ def test_the_seed_accelerate_config_loads_exactly(tmp_path):
     text = pipe.explain()
     assert f"from accelerate config {path}" in text
     assert "shard(policy=by_class('LlamaDecoderLayer'), reshard_after_forward=True" in text
-    assert "fsdp_cpu_ram_efficient_loading is not carried out yet" in text
+    assert "fsdp_cpu_ram_efficient_loading is done by building the model with sw.init_on_meta" \
+        in text
 
 
 @pytest.mark.parametrize("block, expected", [

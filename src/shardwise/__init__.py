@@ -20,6 +20,7 @@ from shardwise.distributed import ensure_process_group
 from shardwise.env import CONFIG_ENV_VAR, Env, detect
 from shardwise.export import export
 from shardwise.memory import MemoryEstimate, estimate_memory
+from shardwise.meta_init import init_on_meta
 from shardwise.pipeline import Pipeline, pipeline
 from shardwise.policies import auto, by_class, by_size
 from shardwise.state import StepOutput, TrainState
@@ -68,6 +69,7 @@ __all__ = [
     "export",
     "from_config",
     "from_ddp_args",
+    "init_on_meta",
     "errors",
     "policies",
     "testing",

@@ -92,6 +92,7 @@ def fsdp_transforms(src: Source, block: dict[str, Any]) -> list[Transform]:
             src.notice("fsdp_state_dict_type", f"{kind}: sw.save always writes sharded DCP "
                        "checkpoints; use sw.export for a full state dict")
     if src.boolean("fsdp_cpu_ram_efficient_loading", cfg.get("cpu_ram_efficient_loading", False)):
-        src.notice("fsdp_cpu_ram_efficient_loading", "is not carried out yet: every rank "
-                   "loads the weights it is given")
+        src.notice("fsdp_cpu_ram_efficient_loading", "is done by building the model with "
+                   "sw.init_on_meta(factory): rank 0 alone loads the weights, shard() hands "
+                   "each rank its shards")
     return out

@@ -14,6 +14,7 @@ from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ConflictError
+from shardwise.meta_init import is_rank0_weights
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["Replicate", "replicate"]
@@ -47,6 +48,8 @@ class Replicate(Transform):
         refuse_state(bundle.optimizer)
         ensure_process_group(env)
         names = param_names(model)
+        if is_rank0_weights(model) and not env.is_main:
+            model.to_empty(device=env.device)  # DDP broadcasts rank 0's weights and buffers
         model.to(env.device)  # DDP is built on a module that is already on its device
         buffers: dict[str, Any] = {_BUFFERS_ARG: self.broadcast_buffers}
         wrapped = DistributedDataParallel(

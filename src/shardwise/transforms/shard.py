@@ -15,6 +15,7 @@ from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ConflictError, EnvError
+from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
 from shardwise.policies import Policy, auto, check_policy, select
 from shardwise.transforms.base import Stage, Transform
 from shardwise.transforms.mixed_precision import fsdp_policy
@@ -63,6 +64,9 @@ class Shard(Transform):
         ensure_process_group(env)
         blocks = select(self.policy, model, user=repr(self))
         names = param_names(model)
+        from_rank0 = is_rank0_weights(model)
+        full = {k: v.detach().to(env.device) for k, v in model.state_dict().items()} \
+            if from_rank0 and env.is_main else None
         offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
                                   if plan.offload else OffloadPolicy())
         options: dict[str, Any] = dict(
@@ -73,6 +77,8 @@ class Shard(Transform):
         # the root is needed again as soon as backward starts: keeping it gathered saves an
         # all-gather per step (torch's own default for the root)
         fully_shard(model, reshard_after_forward=False, **options)
+        if from_rank0:
+            materialise_from_rank0(model, env, full)
         rebind_optimizer(bundle.optimizer, names, model)
         return bundle
 

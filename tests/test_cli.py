@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 import shardwise as sw
@@ -73,3 +74,15 @@ def test_estimate_memory_for_a_factory_and_a_transformers_config(tmp_path):
     out = cli("estimate-memory", str(config), "--world_sizes", "4", "--seq_len", "64")
     assert out.startswith("LlamaForCausalLM: 0.2M parameters")
     assert "n/a" not in out  # activations measured on the meta device
+
+
+def test_written_configs_are_read_by_accelerate(tmp_path):
+    loader = pytest.importorskip("accelerate.commands.config.config_args")
+    cli("config", "default", SHARDWISE_CONFIG_DIR=str(tmp_path))
+    plain = loader.load_config_from_file(str(tmp_path / "default_config.yaml"))
+    assert str(plain.distributed_type).endswith("MULTI_CPU") and plain.num_processes == 2
+    path = tmp_path / "fsdp.yaml"
+    cli("config", "--config_file", str(path), stdin="FSDP\n2\nbf16\nTinyDecoderBlock\n\n\n\n")
+    fsdp = loader.load_config_from_file(str(path))
+    assert str(fsdp.distributed_type).endswith("FSDP") and str(fsdp.mixed_precision) == "bf16"
+    assert fsdp.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "TinyDecoderBlock"

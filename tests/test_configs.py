@@ -181,3 +181,22 @@ def test_the_seed_config_trains_sharded_on_two_ranks():
     for model_type, losses in run_distributed(train_from_seed, world_size=2):
         assert model_type == "FSDPTinyTransformerLM"
         assert losses[-1] < losses[0]
+
+
+def test_deepspeed_batch_sizes_are_checked_against_the_loader_and_auto_resolved():
+    config = {"zero_optimization": {"stage": 0}, "train_batch_size": 8,
+              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2}
+    pipe = sw.from_config(config, env=CPU_ONE)
+    assert "micro the loader's batch_size, accumulation 2, total 8" in pipe.explain()
+
+    def loader(batch_size):
+        return torch.utils.data.DataLoader(SyntheticTokens(size=16), batch_size=batch_size)
+
+    model = TinyTransformerLM()
+    pipe(model, torch.optim.SGD(model.parameters(), lr=0.1), loader(4))  # 4 x 2 x 1 = 8
+    with pytest.raises(ConfigError, match=r"train_batch_size=8 must equal the micro batch \(3\)"):
+        pipe(TinyTransformerLM(), None, loader(3))
+    fixed = sw.from_config({**config, "train_micro_batch_size_per_gpu": 4}, env=CPU_ONE)
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu=4 but the loader's "
+                                          "batch_size is 2"):
+        fixed(TinyTransformerLM(), None, loader(2))

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
+
+from shardwise.bundle import Bundle
 from shardwise.configs._read import Source
 from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.accumulate_gradients import accumulate_gradients
-from shardwise.transforms.base import Transform
+from shardwise.transforms.base import Stage, Transform
 from shardwise.transforms.clip_gradients import clip_gradients
 from shardwise.transforms.mixed_precision import mixed_precision
 from shardwise.transforms.offload import offload
@@ -99,18 +102,57 @@ def deepspeed_transforms(src: Source, env: Env) -> tuple[list[Transform], int | 
             raise src.fail("gradient_clipping", clip, "a number >= 0")
         if clip > 0:
             out.append(clip_gradients(float(clip)))
-    _check_batch(src, cfg, steps or 1, env)
+    check = _check_batch(src, cfg, steps or 1, env)
+    if check is not None:
+        out.append(check)
     return out, steps
 
 
-def _check_batch(src: Source, cfg: dict[str, Any], steps: int, env: Env) -> None:
+@attrs.frozen(repr=False)
+class BatchCheck(Transform):
+    """DeepSpeed's batch sizes against the bundle's loader, when the pipeline is called:
+    ``"auto"`` sizes are taken from the loader, given ones must match it."""
+
+    origin: str
+    micro: int | None
+    total: int | None
+    steps: int
+    stage: ClassVar[Stage] = Stage.DATA
+    factory_name: ClassVar[str] = "deepspeed_batch_check"
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        bundle = self._record(bundle)
+        size = getattr(bundle.loader, "batch_size", None)
+        micro = self.micro if self.micro is not None else size
+        if self.micro is not None and size is not None and size != self.micro:
+            raise ConfigError(f"{self.origin}: train_micro_batch_size_per_gpu={self.micro} but "
+                              f"the loader's batch_size is {size}; make them equal or set "
+                              "it to \"auto\"")
+        world = bundle.env.world_size
+        if self.total is not None and micro is not None and \
+                self.total != micro * self.steps * world:
+            raise ConfigError(
+                f"{self.origin}: train_batch_size={self.total} must equal the micro batch "
+                f"({micro}) x gradient_accumulation_steps ({self.steps}) x world size "
+                f"({world}) = {micro * self.steps * world}")
+        return bundle
+
+    def describe(self, env: Env) -> str:
+        micro = self.micro if self.micro is not None else "the loader's batch_size"
+        return (f"DeepSpeed batch sizes checked against the loader: micro {micro}, "
+                f"accumulation {self.steps}, total {self.total or 'auto'}")
+
+
+def _check_batch(src: Source, cfg: dict[str, Any], steps: int, env: Env) -> BatchCheck | None:
     total, micro = cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu")
-    if total in (None, "auto") or micro in (None, "auto"):
-        return
-    total = src.integer("train_batch_size", total, 1)
-    micro = src.integer("train_micro_batch_size_per_gpu", micro, 1)
-    if total != micro * steps * env.world_size:
+    if total is None and micro is None:
+        return None
+    total = None if total in (None, "auto") else src.integer("train_batch_size", total, 1)
+    micro = None if micro in (None, "auto") else src.integer(
+        "train_micro_batch_size_per_gpu", micro, 1)
+    if total is not None and micro is not None and total != micro * steps * env.world_size:
         raise ConfigError(
             f"{src.origin}: train_batch_size={total} must equal train_micro_batch_size_per_gpu"
             f" ({micro}) x gradient_accumulation_steps ({steps}) x world size "
             f"({env.world_size}) = {micro * steps * env.world_size}")
+    return BatchCheck(src.origin, micro, total, steps)

@@ -200,3 +200,22 @@ def test_deepspeed_batch_sizes_are_checked_against_the_loader_and_auto_resolved(
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu=4 but the loader's "
                                           "batch_size is 2"):
         fixed(TinyTransformerLM(), None, loader(2))
+
+
+def test_more_accelerate_keys_are_taken_with_notices_and_contradictions_refused(tmp_path):
+    config = {"distributed_type": "DEEPSPEED", "mixed_precision": None, "ipex_config": {},
+              "deepspeed_config": {"zero_stage": 2, "deepspeed_hostfile": "hosts"}}
+    text = sw.from_config(config, env=CPU_ONE).explain()
+    assert "ipex_config is not applied" in text and "deepspeed_hostfile has no meaning" in text
+    (tmp_path / "ds.json").write_text(json.dumps({"bf16": {"enabled": True},
+                                                  "gradient_clipping": 1.0}))
+    yaml_config = tmp_path / "acc.yaml"
+    for extra, message in (({"mixed_precision": "fp16"}, "mixed_precision='fp16' contradicts"),
+                           ({"deepspeed_config": {"deepspeed_config_file": "ds.json",
+                                                  "gradient_clipping": 0.5}},
+                            "gradient_clipping=0.5 contradicts gradient_clipping=1.0")):
+        data = {"distributed_type": "DEEPSPEED",
+                "deepspeed_config": {"deepspeed_config_file": "ds.json"}, **extra}
+        yaml_config.write_text(yaml.safe_dump(data))
+        with pytest.raises(ConfigError, match=message):
+            sw.from_config(yaml_config, env=GPU_FOUR)

@@ -124,3 +124,23 @@ def test_two_machines_on_loopback_with_c10d_end_with_identical_parameters(tmp_pa
     assert {line.split(" SUM ")[1] for line in lines} == {lines[0].split(" SUM ")[1]}
     assert all("OF 2 STEPS 8" in line for line in lines)
     assert {line.split(" NODE ")[1][0] for line in lines} == {"0", "1"}
+
+
+def test_machines_agree_on_a_port_and_null_values_count_as_unset():
+    args = torchrun_args({"num_processes": 2, "num_machines": 2, "rdzv_backend": "c10d",
+                          "main_process_ip": None, "main_process_port": None}, parse("t.py"))
+    assert "--rdzv_endpoint=127.0.0.1:29500" in args
+    with pytest.raises(ConfigError, match="main_process_port=0 .a free port. works on one "
+                                          "machine only"):
+        torchrun_args({"num_processes": 2, "num_machines": 2, "main_process_port": 0,
+                       "rdzv_backend": "c10d"}, parse("t.py"))
+    with pytest.raises(ConfigError, match="num_processes='two' is not accepted"):
+        torchrun_args({"num_processes": "two"}, parse("t.py"))
+    assert "--nproc_per_node=1" in torchrun_args({"num_processes": None}, parse("t.py"))
+
+
+def test_launch_errors_are_one_line_and_exit_2(tmp_path):
+    proc = launch("--config_file", str(tmp_path / "missing.yaml"), "t.py")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("shardwise launch: --config_file")
+    assert "Traceback" not in proc.stderr

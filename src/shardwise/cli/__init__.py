@@ -30,7 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return int(_COMMANDS[args.command].run(args))
+    from shardwise.errors import ShardwiseError
+
+    try:
+        return int(_COMMANDS[args.command].run(args))
+    except ShardwiseError as exc:
+        print(f"shardwise {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -80,25 +80,40 @@ def torchrun_args(settings: dict[str, Any], args: argparse.Namespace) -> list[st
     """torchrun's arguments for these settings."""
     from shardwise.errors import ConfigError
 
-    machines = int(settings.get("num_machines", 1))
-    total = int(settings.get("num_processes", 1))
+    def number(key: str, default: int) -> int:
+        value = settings.get(key)
+        if value is None:
+            return default
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not accepted; accepted: an integer") from None
+
+    machines, total = number("num_machines", 1), number("num_processes", 1)
     if machines < 1 or total < machines or total % machines:
         raise ConfigError(f"num_processes={total} must be a positive multiple of "
                           f"num_machines={machines} (processes are spread evenly)")
-    port = int(settings.get("main_process_port") or 0) or _free_port()
+    port = number("main_process_port", 0 if machines == 1 else 29500)
+    if port == 0:
+        if machines > 1:
+            raise ConfigError("main_process_port=0 (a free port) works on one machine only: "
+                              "the machines must agree on the port; give one, or leave it "
+                              "unset for 29500")
+        port = _free_port()
+    ip = settings.get("main_process_ip") or None
     out = [f"--nproc_per_node={total // machines}", f"--max_restarts={args.max_restarts}"]
     if machines == 1 and settings.get("rdzv_backend", "static") == "static":
         out += ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
     elif settings.get("rdzv_backend", "static") == "c10d":
-        ip = settings.get("main_process_ip", "127.0.0.1")
+        ip = ip or "127.0.0.1"
         out += [f"--nnodes={machines}", "--rdzv_backend=c10d", f"--rdzv_endpoint={ip}:{port}",
                 "--rdzv_id=shardwise"]
     else:
-        if "main_process_ip" not in settings or "machine_rank" not in settings:
+        if ip is None or settings.get("machine_rank") is None:
             raise ConfigError("a static launch on several machines needs main_process_ip and "
                               "machine_rank (or use --rdzv_backend c10d)")
-        out += [f"--nnodes={machines}", f"--node_rank={settings['machine_rank']}",
-                f"--master_addr={settings['main_process_ip']}", f"--master_port={port}"]
+        out += [f"--nnodes={machines}", f"--node_rank={number('machine_rank', 0)}",
+                f"--master_addr={ip}", f"--master_port={port}"]
     if args.module:
         out.append("-m")
     return [*out, args.script, *args.script_args]
@@ -113,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     settings, path, changed = _settings(args)
     command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(settings, args)]
     child_env = dict(os.environ)
+    if settings.get("use_cpu") is True:
+        child_env["CUDA_VISIBLE_DEVICES"] = ""  # sw.detect() then picks the CPU
+    elif settings.get("gpu_ids") not in (None, "all"):
+        child_env["CUDA_VISIBLE_DEVICES"] = str(settings["gpu_ids"])
     handed = None
     if path is not None and not changed:
         child_env[CONFIG_ENV_VAR] = str(path.resolve())

@@ -14,8 +14,8 @@ from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.accumulate_gradients import accumulate_gradients
 from shardwise.transforms.base import Transform
-from shardwise.transforms.clip_gradients import clip_gradients
-from shardwise.transforms.mixed_precision import mixed_precision
+from shardwise.transforms.clip_gradients import ClipGradients, clip_gradients
+from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
 from shardwise.transforms.replicate import replicate
 
 LAUNCH = {"compute_environment", "num_processes", "num_machines", "machine_rank",
@@ -23,17 +23,23 @@ LAUNCH = {"compute_environment", "num_processes", "num_machines", "machine_rank"
           "use_cpu", "main_training_function", "debug", "enable_cpu_affinity"}
 IGNORED = {"tpu_env": "is for TPUs", "tpu_use_cluster": "is for TPUs",
            "tpu_use_sudo": "is for TPUs", "dynamo_config": "is not applied (no compile yet)",
-           "downcast_bf16": "is for TPUs: bf16 here keeps fp32 master weights"}
+           "downcast_bf16": "is for TPUs: bf16 here keeps fp32 master weights",
+           "ipex_config": "is not applied (Intel extension)",
+           "mpirun_config": "is not applied (launch with mpirun yourself; sw.detect reads it)",
+           "megatron_lm_config": "is not applied (Megatron-LM is not driven by shardwise)"}
 TOP = {"distributed_type", "mixed_precision", "fsdp_config", "deepspeed_config",
        *LAUNCH, *IGNORED}
+_DS_ONLY = ("zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher",
+            "deepspeed_hostfile", "deepspeed_inclusion_filter", "deepspeed_exclusion_filter",
+            "deepspeed_moe_layer_cls_names")
 DS_BLOCK = {"zero_stage", "offload_optimizer_device", "offload_param_device",
             "gradient_accumulation_steps", "gradient_clipping", "deepspeed_config_file",
-            "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher"}
+            *_DS_ONLY}
 
 
 def _deepspeed_block(src: Source, block: dict[str, Any], env: Env) -> list[Transform]:
     src.check_keys(block, DS_BLOCK, " in deepspeed_config")
-    for key in ("zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher"):
+    for key in _DS_ONLY:
         if key in block:
             src.notice(f"deepspeed_config.{key}", "has no meaning outside DeepSpeed")
     if "deepspeed_config_file" in block:
@@ -48,6 +54,12 @@ def _deepspeed_block(src: Source, block: dict[str, Any], env: Env) -> list[Trans
         inner = Source(data, str(path), path.parent)
         out, steps = deepspeed_transforms(inner, env)
         src.notices += inner.notices
+        clip = next((t.max_norm for t in out if isinstance(t, ClipGradients)), None)
+        mine_clip = block.get("gradient_clipping")
+        if isinstance(mine_clip, (int, float)) and mine_clip > 0 and mine_clip != clip:
+            raise ConfigError(
+                f"{src.origin}: deepspeed_config.gradient_clipping={mine_clip} contradicts "
+                f"gradient_clipping={clip} in {path}; set it once")
         if "gradient_accumulation_steps" in block and steps is not None:
             mine = src.integer("deepspeed_config.gradient_accumulation_steps",
                                block["gradient_accumulation_steps"], 1)
@@ -89,10 +101,14 @@ def accelerate_transforms(src: Source, env: Env) -> list[Transform]:
         out += fsdp_transforms(src, dict(cfg.get("fsdp_config") or {}))
     elif kind == "DEEPSPEED":
         out += _deepspeed_block(src, dict(cfg.get("deepspeed_config") or {}), env)
-    precision = cfg.get("mixed_precision", "no")
+    precision = cfg.get("mixed_precision") or "no"
     if str(precision).lower() == "fp8":
         raise src.fail("mixed_precision", precision, "no, fp16, bf16 (fp8 is not supported)")
     precision = src.choice("mixed_precision", str(precision).upper(), ["NO", "FP16", "BF16"])
-    if precision != "NO" and not any(type(t).__name__ == "MixedPrecision" for t in out):
+    given = next((t for t in out if isinstance(t, MixedPrecision)), None)
+    if given is not None and precision != "NO" and given.precision != precision.lower():
+        raise ConfigError(f"{src.origin}: mixed_precision={precision.lower()!r} contradicts "
+                          f"{given.precision!r} enabled in the DeepSpeed config; set it once")
+    if precision != "NO" and given is None:
         out.append(mixed_precision(precision.lower()))  # type: ignore[arg-type]
     return out

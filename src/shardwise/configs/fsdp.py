@@ -21,9 +21,11 @@ NO_OP = {
     "backward_prefetch": "is decided by FSDP2 itself",
     "forward_prefetch": "is decided by FSDP2 itself",
     "limit_all_gathers": "has no FSDP2 equivalent",
+    "backward_prefetch_policy": "is decided by FSDP2 itself",
     "xla": "is for TPUs, which shardwise does not drive",
     "xla_fsdp_settings": "is for TPUs, which shardwise does not drive",
     "xla_fsdp_grad_ckpt": "is for TPUs, which shardwise does not drive",
+    "xla_fsdp_v2": "is for TPUs, which shardwise does not drive",
 }
 KEYS = {"version", "sharding_strategy", "reshard_after_forward", "auto_wrap_policy",
         "transformer_layer_cls_to_wrap", "min_num_params", "offload_params", "cpu_offload",

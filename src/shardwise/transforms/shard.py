@@ -65,7 +65,8 @@ class Shard(Transform):
         blocks = select(self.policy, model, user=repr(self))
         names = param_names(model)
         from_rank0 = is_rank0_weights(model)
-        full = {k: v.detach().to(env.device) for k, v in model.state_dict().items()} \
+        # kept in host memory: set_model_state_dict sends it to the device piece by piece
+        full = {k: v.detach().cpu() for k, v in model.state_dict().items()} \
             if from_rank0 and env.is_main else None
         offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
                                   if plan.offload else OffloadPolicy())

@@ -219,3 +219,27 @@ def test_more_accelerate_keys_are_taken_with_notices_and_contradictions_refused(
         yaml_config.write_text(yaml.safe_dump(data))
         with pytest.raises(ConfigError, match=message):
             sw.from_config(yaml_config, env=GPU_FOUR)
+
+
+def test_no_wrap_shards_the_whole_model_as_one_group():
+    pipe = sw.from_config({"distributed_type": "FSDP",
+                           "fsdp_config": {"fsdp_auto_wrap_policy": "NO_WRAP"}}, env=CPU_ONE)
+    assert parts(pipe) == [sw.shard(sw.policies.root_only())]
+    with pytest.raises(ConfigError, match="NO_WRAP names no blocks to checkpoint"):
+        sw.from_config({"distributed_type": "FSDP", "fsdp_config": {
+            "fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_activation_checkpointing": True}})
+
+
+def train_root_only():
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
+    bundle = sw.pipeline(sw.detect(), sw.shard(sw.policies.root_only()))(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    state, out = bundle.step(bundle.init(), {"input_ids": ids, "labels": ids})
+    return type(bundle.model).__name__, type(bundle.model.layers[0]).__name__, out.stepped
+
+
+def test_root_only_sharding_trains_on_two_ranks():
+    assert run_distributed(train_root_only, world_size=2) == [
+        ("FSDPTinyTransformerLM", "TinyDecoderBlock", True)] * 2

@@ -19,7 +19,7 @@ from shardwise.errors import PolicyError
 
 __all__ = [
     "Policy", "auto", "by_class", "by_size", "select", "candidate_blocks", "repeated_blocks",
-    "check_policy",
+    "check_policy", "root_only",
 ]
 
 #: ``(qualified_name, module) -> bool``
@@ -88,6 +88,23 @@ class _Modules:
 
     def __call__(self, name: str, module: nn.Module) -> bool:
         return id(module) in self.ids
+
+
+@attrs.frozen
+class _RootOnly:
+    """No submodule: with shard(), one FSDP2 group for the whole model (NO_WRAP)."""
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "root_only()"
+
+
+def root_only() -> Policy:
+    """Select no submodule: ``shard(root_only())`` shards the model as one group
+    (Accelerate's ``NO_WRAP``); it gathers all parameters at once, so use it for small models."""
+    return _RootOnly()
 
 
 @attrs.frozen
@@ -180,6 +197,8 @@ def select(policy: Policy, model: nn.Module, *, user: str) -> list[tuple[str, nn
         PolicyError: the policy selects nothing; the message lists the candidate block classes.
     """
     check_policy(policy, user)
+    if isinstance(policy, _RootOnly):
+        return []
     rule = _resolve(policy, model)
     if isinstance(rule, _BySize):
         chosen = _by_size(model, rule.min_params)

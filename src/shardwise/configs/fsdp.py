@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardwise.configs._read import Source
-from shardwise.policies import Policy, auto, by_class, by_size
+from shardwise.policies import Policy, auto, by_class, by_size, root_only
 from shardwise.transforms.base import Transform
 from shardwise.transforms.checkpoint_activations import checkpoint_activations
 from shardwise.transforms.offload import offload
@@ -48,8 +48,11 @@ def _policy(src: Source, cfg: dict[str, Any], kind: str) -> Policy:
         return by_class(*names)
     if kind == "SIZE_BASED_WRAP":
         return by_size(src.integer("fsdp_min_num_params", cfg.get("min_num_params", 100_000_000), 1))
-    raise src.fail("fsdp_auto_wrap_policy", kind, "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP "
-                   "(NO_WRAP would shard only the root; name the blocks instead)")
+    if src.boolean("fsdp_activation_checkpointing", cfg.get("activation_checkpointing", False)):
+        raise src.fail("fsdp_auto_wrap_policy", kind, "TRANSFORMER_BASED_WRAP or "
+                       "SIZE_BASED_WRAP with fsdp_activation_checkpointing (NO_WRAP names no "
+                       "blocks to checkpoint)")
+    return root_only()
 
 
 def fsdp_transforms(src: Source, block: dict[str, Any]) -> list[Transform]:

@@ -28,15 +28,13 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
 
 from shardwise import _rng
-from shardwise._params import param_names
 from shardwise._safe_reader import SafeReader
+from shardwise._state_dicts import plain, state_dicts
 from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader
 from shardwise.errors import CheckpointError
@@ -95,76 +93,6 @@ def _write_json(path: Path, data: Any) -> None:
     _write_durably(path, json.dumps(data, indent=1))
 
 
-def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(tensors for DCP, everything else for JSON) of an optimizer state dict."""
-    tensors: dict[str, Any] = {}
-    other: dict[str, Any] = {}
-    for fqn, values in optim_sd.get("state", {}).items():
-        tensors[fqn] = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
-        other[fqn] = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
-    return {"state": tensors}, {"state": other, "param_groups": optim_sd.get("param_groups", [])}
-
-
-def _materialise(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (a step at learning rate 0 on zero gradients)
-    so that a checkpoint can be loaded into them; parameters do not change."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if all(p in optimizer.state for p in params):
-        return
-    rates = [g["lr"] for g in optimizer.param_groups]
-    grads = [p.grad for p in params]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for group, rate in zip(optimizer.param_groups, rates, strict=True):
-        group["lr"] = rate
-    for p, grad in zip(params, grads, strict=True):
-        p.grad = grad
-
-
-def _zero_state_dicts(bundle: Bundle) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Under shard_optimizer(): each rank's share of the state, keyed by parameter name as in
-    the unsharded layout, so a ZeRO-1 checkpoint loads into any layout and back."""
-    engine, optimizer = bundle.sharded_optimizer, bundle.optimizer
-    assert engine is not None and optimizer is not None
-    local = engine.optim  # type: ignore[attr-defined]
-    _materialise(local)
-    names = param_names(bundle.model)
-    tensors: dict[str, Any] = {}
-    for param, values in local.state.items():
-        extra = [k for k, v in values.items() if not isinstance(v, torch.Tensor)]
-        if extra:
-            raise CheckpointError(f"shard_optimizer() state holds non-tensor values {extra}; "
-                                  "only tensor optimizer state can be checkpointed sharded")
-        tensors[names[id(param)]] = dict(values)
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
-    return get_model_state_dict(bundle.model), {"state": tensors}, {"state": {},
-                                                                    "param_groups": groups}
-
-
-def _state_dicts(bundle: Bundle) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The model state, the optimizer's tensors and the optimizer's other values."""
-    if bundle.sharded_optimizer is not None:
-        return _zero_state_dicts(bundle)
-    if bundle.optimizer is None:
-        return get_model_state_dict(bundle.model), {}, {}
-    model_sd, optim_sd = get_state_dict(bundle.model, bundle.optimizer)
-    tensors, other = _split_optimizer(optim_sd)
-    return model_sd, tensors, other
-
-
-def _plain(value: Any, where: str) -> Any:
-    """``value`` as JSON-ready data, or a clear error naming ``where``."""
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"cannot write {where} as JSON ({exc}); shardwise keeps "
-                              "non-tensor state in JSON so that loading runs no pickle") from None
-
-
 def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *,
          keep_last: int | None = None) -> Path:
     """Write a sharded checkpoint of ``bundle`` and ``state``; every rank must call it.
@@ -208,13 +136,13 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     if not _agree(bundle, ok):
         raise CheckpointError(f"cannot create checkpoint directory {tmp}: {problem or 'on rank 0'}")
     fresh = bundle.optimizer is not None and not bundle.optimizer.state
-    model_sd, tensors, other = _state_dicts(bundle)
+    model_sd, tensors, other = state_dicts(bundle)
     meta = {"format": FORMAT, "train_state": state.to_dict(), "world_size": env.world_size,
             "data": _data_position(bundle, state),
-            "optimizer": _plain(other, "the optimizer's hyperparameters"),
-            "scheduler": _plain(bundle.scheduler.state_dict(), "the scheduler's state")
+            "optimizer": plain(other, "the optimizer's hyperparameters"),
+            "scheduler": plain(bundle.scheduler.state_dict(), "the scheduler's state")
             if bundle.scheduler is not None else None,
-            "scaler": _plain(bundle.scaler.state_dict(), "the grad scaler's state")
+            "scaler": plain(bundle.scaler.state_dict(), "the grad scaler's state")
             if bundle.scaler is not None else None}
     try:
         with _dcp_quietly():
@@ -405,7 +333,7 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
                               "interrupted saves)")
     meta = _read_meta(path)
     reader = SafeReader(path)
-    model_sd, tensors, _ = _state_dicts(bundle)
+    model_sd, tensors, _ = state_dicts(bundle)
     target = {"model": model_sd, "optimizer": tensors}
     _check_fits(path, reader, target, partial_optimizer=bundle.sharded_optimizer is not None
                 or bundle.optimizer is None)

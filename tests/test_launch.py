@@ -20,8 +20,12 @@ def parse(*argv):
     return parser.parse_args(argv)
 
 
+# no stray default_config.yaml of the machine's user may leak into the tests
+ISOLATED = {"OMP_NUM_THREADS": "1", "SHARDWISE_CONFIG_DIR": "/nonexistent/shardwise-tests"}
+
+
 def launch(*argv, cwd=ROOT):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **ISOLATED}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return subprocess.run([sys.executable, "-m", "shardwise.cli", "launch", *argv],
@@ -109,7 +113,7 @@ def test_two_machines_on_loopback_with_c10d_end_with_identical_parameters(tmp_pa
     script = tmp_path / "two_nodes.py"
     script.write_text(TWO_NODE_SCRIPT)
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **ISOLATED}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "shardwise.cli", "launch", "--num_machines", "2",
          "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",

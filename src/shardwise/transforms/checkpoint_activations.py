@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import attrs
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.bundle import Bundle
@@ -67,7 +66,3 @@ def checkpoint_activations(policy: Policy | None = None) -> CheckpointActivation
         check_policy(policy, "checkpoint_activations()")
     return CheckpointActivations(auto() if policy is None else policy)
 
-
-def is_checkpointed(module: nn.Module) -> bool:
-    """Whether :func:`checkpoint_activations` wrapped this module's forward."""
-    return bool(getattr(module, _MARK, False))

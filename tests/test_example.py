@@ -1,11 +1,11 @@
 # The example script end to end: `python` and `torchrun --nproc_per_node=2`, as the README runs it.
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _jobs import run_jobs
 
 from shardwise.testing import free_port
 
@@ -16,9 +16,9 @@ def run(cmd):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout, proc.stderr
+    [(code, out, err)] = run_jobs([cmd], env=env, timeout=180)
+    assert code == 0, out + err
+    return out, err
 
 
 def losses(stdout):

@@ -3,10 +3,12 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+from _jobs import run_jobs
 
 from shardwise.cli.launch import default_config_path, register, torchrun_args
 from shardwise.errors import ConfigError
@@ -28,8 +30,9 @@ def launch(*argv, cwd=ROOT):
     env = {**os.environ, **ISOLATED}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", "launch", *argv],
-                          capture_output=True, text=True, env=env, cwd=cwd, timeout=240)
+    cmd = [sys.executable, "-m", "shardwise.cli", "launch", *argv]
+    [(code, out, err)] = run_jobs([cmd], env=env, cwd=cwd)
+    return subprocess.CompletedProcess(cmd, code, out, err)
 
 
 def test_launch_runs_the_example_on_two_processes():
@@ -67,6 +70,10 @@ def test_torchrun_arguments_for_one_and_several_machines():
                           "main_process_ip": "10.1.2.3", "main_process_port": 29400},
                          parse("-m", "pkg.train"))
     assert "--nproc_per_node=2" in c10d and "--rdzv_endpoint=10.1.2.3:29400" in c10d
+    assert not any(a.startswith("--rdzv_conf") for a in c10d)  # no machine_rank: torch decides
+    hosts = [torchrun_args({"num_processes": 2, "num_machines": 2, "rdzv_backend": "c10d",
+                            "machine_rank": rank}, parse("t.py")) for rank in (0, 1)]
+    assert "--rdzv_conf=is_host=1" in hosts[0] and "--rdzv_conf=is_host=0" in hosts[1]
     assert c10d[-2:] == ["-m", "pkg.train"]
     static = torchrun_args({"num_processes": 2, "num_machines": 2, "machine_rank": 1,
                             "main_process_ip": "h0", "main_process_port": 1234},
@@ -114,15 +121,13 @@ def test_two_machines_on_loopback_with_c10d_end_with_identical_parameters(tmp_pa
     script.write_text(TWO_NODE_SCRIPT)
     port = free_port()
     env = {**os.environ, **ISOLATED}
-    procs = [subprocess.Popen(
+    results = run_jobs([
         [sys.executable, "-m", "shardwise.cli", "launch", "--num_machines", "2",
          "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-         "--main_process_port", str(port), "--rdzv_backend", "c10d", str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        for rank in (0, 1)]
-    outputs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    lines = sorted(line for out, _ in outputs for line in out.splitlines()
+         "--main_process_port", str(port), "--rdzv_backend", "c10d", str(script)]
+        for rank in (0, 1)], env=env, cwd=ROOT)
+    assert [code for code, _, _ in results] == [0, 0], results
+    lines = sorted(line for _, out, _ in results for line in out.splitlines()
                    if line.startswith("RANK"))
     assert len(lines) == 2
     assert {line.split(" SUM ")[1] for line in lines} == {lines[0].split(" SUM ")[1]}
@@ -148,3 +153,21 @@ def test_launch_errors_are_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("shardwise launch: --config_file")
     assert "Traceback" not in proc.stderr
+
+
+def test_only_the_known_teardown_abort_is_run_once_more(tmp_path):
+    from _jobs import TEARDOWN_ABORT
+
+    marker = tmp_path / "first-run-done"
+    flaky = (f"import pathlib, sys; m = pathlib.Path({str(marker)!r})\n"
+             f"if not m.exists(): m.touch(); sys.stderr.write({TEARDOWN_ABORT!r}); sys.exit(134)\n"
+             "print('second run')")
+    [(code, out, _)] = run_jobs([[sys.executable, "-c", flaky]], timeout=60)
+    assert (code, out.strip()) == (0, "second run")
+    always = f"import sys; sys.stderr.write({TEARDOWN_ABORT!r}); sys.exit(134)"
+    assert run_jobs([[sys.executable, "-c", always]], timeout=60)[0][0] == 134
+    # any other failure is not rerun, and stops the other machines at once
+    start = time.monotonic()
+    results = run_jobs([[sys.executable, "-c", "import sys; sys.exit(3)"],
+                        [sys.executable, "-c", "import time; time.sleep(60)"]], timeout=120)
+    assert [code for code, _, _ in results] == [3, -9] and time.monotonic() - start < 30

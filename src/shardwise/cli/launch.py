@@ -108,6 +108,10 @@ def torchrun_args(settings: dict[str, Any], args: argparse.Namespace) -> list[st
         ip = ip or "127.0.0.1"
         out += [f"--nnodes={machines}", "--rdzv_backend=c10d", f"--rdzv_endpoint={ip}:{port}",
                 "--rdzv_id=shardwise"]
+        if settings.get("machine_rank") is not None:
+            # machine 0 hosts the rendezvous store; without this every machine whose address
+            # matches the endpoint (all of them on loopback) races to host it
+            out.append(f"--rdzv_conf=is_host={int(number('machine_rank', 0) == 0)}")
     else:
         if ip is None or settings.get("machine_rank") is None:
             raise ConfigError("a static launch on several machines needs main_process_ip and "

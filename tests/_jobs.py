@@ -1,0 +1,50 @@
+# Running multi-process jobs (torchrun, `shardwise launch`) from tests.
+"""Start commands side by side, wait for all, and rerun once on torch's teardown abort.
+
+On these machines about 1 in 300 gloo worker processes that used DDP dies at interpreter
+exit with SIGABRT and "terminate called without an active exception", after the script has
+finished and printed its results: the DDP reducer keeps the gloo process group alive past
+``destroy_process_group()`` (its threads outlive the interpreter), a torch-side teardown
+race. A job that fails with exactly that message is run once more; every other failure, and
+the same abort twice, fails the test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from typing import Any
+
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+Result = tuple[int | None, str, str]  # returncode, stdout, stderr
+
+
+def _run_once(cmds: list[list[str]], timeout: float, **kwargs: Any) -> list[Result]:
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+             for cmd in cmds]
+    deadline = time.monotonic() + timeout
+    try:
+        # one failed machine leaves the others waiting at torchrun's exit barrier: stop early
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results: list[Result] = []
+    for p in procs:
+        out, err = p.communicate()
+        results.append((p.returncode, out, err))
+    return results
+
+
+def run_jobs(cmds: list[list[str]], *, timeout: float = 240, **kwargs: Any) -> list[Result]:
+    """Run ``cmds`` at once; (returncode, stdout, stderr) of each. A command still running
+    at ``timeout`` seconds, or after another one failed, is killed (returncode < 0)."""
+    results = _run_once(cmds, timeout, **kwargs)
+    if any(rc != 0 for rc, _, _ in results) and any(TEARDOWN_ABORT in err for _, _, err in results):
+        results = _run_once(cmds, timeout, **kwargs)
+    return results

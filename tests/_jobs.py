@@ -1,7 +1,7 @@
 # Running multi-process jobs (torchrun, `shardwise launch`) from tests.
 """Start commands side by side, wait for all, and rerun once on torch's teardown abort.
 
-On these machines about 1 in 300 gloo worker processes that used DDP dies at interpreter
+On these machines roughly 1 in 100 to 300 gloo worker processes that used DDP dies at interpreter
 exit with SIGABRT and "terminate called without an active exception", after the script has
 finished and printed its results: the DDP reducer keeps the gloo process group alive past
 ``destroy_process_group()`` (its threads outlive the interpreter), a torch-side teardown

@@ -1,12 +1,12 @@
 # Running multi-process jobs (torchrun, `shardwise launch`) from tests.
 """Start commands side by side, wait for all, and rerun once on torch's teardown abort.
 
-On these machines roughly 1 in 100 to 300 gloo worker processes that used DDP dies at interpreter
-exit with SIGABRT and "terminate called without an active exception", after the script has
-finished and printed its results: the DDP reducer keeps the gloo process group alive past
-``destroy_process_group()`` (its threads outlive the interpreter), a torch-side teardown
-race. A job that fails with exactly that message is run once more; every other failure, and
-the same abort twice, fails the test.
+A worker that dies at interpreter exit with SIGABRT and "terminate called without an active
+exception", after the script has finished, is torch's teardown race: a gloo thread releasing
+work that holds a Python object while the interpreter finalizes (about 1 exit in 300 here
+when shardwise still ended jobs with a gloo barrier; it now meets on the store, see
+docs/guide.md). A script's own gloo work can still hit it, so a job that fails with exactly
+that message is run once more; every other failure, and the same abort twice, fails the test.
 """
 
 from __future__ import annotations

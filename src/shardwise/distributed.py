@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -19,16 +20,42 @@ log = logging.getLogger(__name__)
 
 # How long the exit barrier waits for the other ranks before leaving anyway.
 _EXIT_BARRIER = datetime.timedelta(seconds=60)
+_groups_started = 0  # distinguishes the exit-barrier keys of successive groups in one process
+# the group started here, its exit-barrier store, rank and world size; None once left
+_started: tuple[dist.ProcessGroup | None, dist.Store, int, int] | None = None
+
+
+def _exit_barrier(store: dist.Store, rank: int, world_size: int) -> None:
+    """All ranks meet on the rendezvous store; rank 0 (which hosts the store when there is
+    no torchrun agent) leaves after the others have left it.
+
+    A gloo barrier here would queue work whose last reference a gloo thread may drop while
+    the interpreter is finalizing; that work carries the autograd context of the last DDP
+    all-reduce, a Python object, and releasing it then aborts the process.
+    """
+    from torch.distributed.elastic.utils.store import barrier
+
+    seconds = _EXIT_BARRIER.total_seconds()
+    barrier(store, world_size, key_prefix="arrived", barrier_timeout=seconds)
+    if rank != 0:
+        if store.add("left", 1) == world_size - 1:
+            store.set("all_left", "1")
+    else:
+        store.wait(["all_left"], _EXIT_BARRIER)
 
 
 def _shutdown() -> None:
-    """Barrier, then destroy the group: avoids aborts and torch's 'not destroyed' warning."""
-    if not dist.is_initialized():
+    """Leave the group started here: exit barrier, then destroy it. Idempotent; registered
+    with atexit. Avoids aborts and torch's 'not destroyed' warning."""
+    global _started
+    if _started is None:
         return
+    group, store, rank, world_size = _started
+    _started = None
+    if not dist.is_initialized() or dist.group.WORLD is not group:
+        return  # the script destroyed (or replaced) the group itself
     try:
-        work = dist.barrier(async_op=True)
-        if work is not None:
-            work.wait(_EXIT_BARRIER)
+        _exit_barrier(store, rank, world_size)
     except Exception as exc:  # another rank is gone: leave anyway
         log.warning("exit barrier failed (%s); destroying the process group", exc)
     dist.destroy_process_group()
@@ -72,7 +99,17 @@ def ensure_process_group(env: Env) -> None:
         torch.cuda.set_device(env.device)
     log.info("joining process group: rank %d of %d, backend %s, %s",
              env.rank, env.world_size, env.backend, init_method)
+    # the rendezvous init_process_group would do, keeping the store for the exit barrier
+    store, _, _ = next(dist.rendezvous(init_method, rank=env.rank, world_size=env.world_size,
+                                       timeout=env.timeout))
+    store.set_timeout(env.timeout)
     dist.init_process_group(
-        backend=env.backend, init_method=init_method, world_size=env.world_size,
+        backend=env.backend, store=dist.PrefixStore("default_pg", store), world_size=env.world_size,
         rank=env.rank, timeout=env.timeout, device_id=device_id)
-    atexit.register(_shutdown)
+    global _groups_started, _started
+    _groups_started += 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    exit_store = dist.PrefixStore(f"shardwise/exit/{restart}/{_groups_started}", store)
+    if _groups_started == 1:
+        atexit.register(_shutdown)
+    _started = (dist.group.WORLD, exit_store, env.rank, env.world_size)

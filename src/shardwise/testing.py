@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from shardwise.distributed import _shutdown
 from shardwise.errors import RankFailedError
 
 __all__ = [
@@ -55,9 +56,9 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_s
     queue.put(message)  # a SimpleQueue writes before put() returns
     if not message[1]:
         os._exit(1)  # do not wait at an exit barrier the other ranks may never reach
+    _shutdown()  # the group the pipeline started: exit barrier on the store, then destroyed
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # one that fn started itself
 
 
 def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2,

@@ -55,7 +55,7 @@ def test_rank_0_hosting_the_store_leaves_after_the_others(tmp_path):
     # finalizes); the ranks meet on the store instead
     assert [out.split("\n")[:2] for out, _ in outputs] == [
         [f"trained {r} 2", "collectives at exit 0"] for r in (0, 1)]
-    # rank 0 waited at the exit barrier for rank 1, which arrived `late` seconds after training
-    assert ends[0] >= ends[1] - 0.5 and ends[0] - start >= late, (ends, start)
+    # rank 0 waited at the exit barrier for rank 1, `late` s behind (not leaving ~late s before it)
+    assert ends[0] >= ends[1] - 2.0 and ends[0] - start >= late, (ends, start)
     for _, err in outputs:
         assert "NOT been destroyed" not in err and "exit barrier failed" not in err, err

@@ -64,8 +64,8 @@ def _shutdown() -> None:
 def ensure_process_group(env: Env) -> None:
     """Initialise the default process group for ``env`` if it has several ranks. Idempotent.
 
-    Uses ``env.backend`` and ``env.timeout``. A group started here is destroyed cleanly
-    (barrier, then ``destroy_process_group``) when the interpreter exits.
+    Uses ``env.backend`` and ``env.timeout``. A group started here is left cleanly when the
+    interpreter exits: the ranks meet on the rendezvous store, then ``destroy_process_group``.
 
     Raises:
         EnvError: a group already exists with another size or rank, or there is no

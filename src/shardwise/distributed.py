@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 # How long the exit barrier waits for the other ranks before leaving anyway.
 _EXIT_BARRIER = datetime.timedelta(seconds=60)
 _groups_started = 0  # distinguishes the exit-barrier keys of successive groups in one process
-# the group started here, its exit-barrier store, rank and world size; None once left
-_started: tuple[dist.ProcessGroup | None, dist.Store, int, int] | None = None
+# the group started here and its exit-barrier store; None once left
+_started: tuple[dist.ProcessGroup | None, dist.Store] | None = None
 
 
 def _exit_barrier(store: dist.Store, rank: int, world_size: int) -> None:
@@ -50,12 +50,12 @@ def _shutdown() -> None:
     global _started
     if _started is None:
         return
-    group, store, rank, world_size = _started
+    group, store = _started
     _started = None
     if not dist.is_initialized() or dist.group.WORLD is not group:
         return  # the script destroyed (or replaced) the group itself
     try:
-        _exit_barrier(store, rank, world_size)
+        _exit_barrier(store, dist.get_rank(), dist.get_world_size())
     except Exception as exc:  # another rank is gone: leave anyway
         log.warning("exit barrier failed (%s); destroying the process group", exc)
     dist.destroy_process_group()
@@ -112,4 +112,4 @@ def ensure_process_group(env: Env) -> None:
     exit_store = dist.PrefixStore(f"shardwise/exit/{restart}/{_groups_started}", store)
     if _groups_started == 1:
         atexit.register(_shutdown)
-    _started = (dist.group.WORLD, exit_store, env.rank, env.world_size)
+    _started = (dist.group.WORLD, exit_store)

@@ -5,6 +5,7 @@ the tests compare its results with single-process runs on the same global batche
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import token_loss
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
@@ -30,13 +31,6 @@ class MaskedTokens(Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.inputs[i], "labels": self.labels[i]}
-
-
-def token_loss(model, batch):
-    logits = model(batch["input_ids"])["logits"]
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
-                                             ignore_index=-100, reduction="sum")
-    return loss, (batch["labels"] != -100).sum()
 
 
 class Counter:

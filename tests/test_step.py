@@ -2,15 +2,15 @@
 import collections
 import copy
 
+import attrs
 import pytest
 import torch
+from conftest import ONE, masked_micro_batches, token_loss, train_steps
 from torch.utils.data import DataLoader
 
 import shardwise as sw
 from shardwise.errors import LossError, NonFiniteError, OptimizerError
 from shardwise.testing import SyntheticRegression, TinyMLP, TinyTransformerLM, max_param_diff
-
-ONE = sw.Env()
 
 
 def mlp_and_sgd(seed=0, lr=0.1):
@@ -81,14 +81,6 @@ def test_accumulation_equals_one_step_on_the_concatenated_window():
     assert max_param_diff(model, ref) <= 1e-6
 
 
-def token_loss(model, batch):
-    """Sum of cross-entropy over labelled tokens, and their count."""
-    logits = model(batch["input_ids"])["logits"]
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
-                                             ignore_index=-100, reduction="sum")
-    return loss, (batch["labels"] != -100).sum()
-
-
 def test_token_weighted_loss_over_uneven_micro_batches_equals_the_whole_window():
     torch.manual_seed(0)
     ids = torch.randint(0, 32, (6, 10))
@@ -111,6 +103,46 @@ def test_token_weighted_loss_over_uneven_micro_batches_equals_the_whole_window()
     assert max_param_diff(model, ref) <= 1e-6
     assert out.stepped and out.grad_norm is None  # no clipping, so no norm computed
     assert out.loss.dtype == torch.float32
+
+
+def weighted_window(split_at=None, rebuild=lambda bundle: attrs.evolve(bundle)):
+    """Parameters after one token-weighted window of 3 micro-batches; with ``split_at``, the
+    window continues on ``rebuild(bundle)`` from that micro-batch on."""
+    micro = masked_micro_batches()
+    torch.manual_seed(1)
+    model = TinyTransformerLM()
+    bundle = sw.pipeline(ONE, sw.accumulate_gradients(3))(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn=token_loss)
+    state, outs = train_steps(bundle, bundle.init(), micro[:split_at])
+    if split_at is not None:
+        state, more = train_steps(rebuild(bundle), state, micro[split_at:])
+        outs += more
+    assert [o.stepped for o in outs] == [False, False, True]
+    return {k: v.clone() for k, v in model.state_dict().items()}, state
+
+
+@pytest.mark.parametrize("rebuild", [lambda b: attrs.evolve(b), lambda b: sw.Bundle(
+    b.model, b.optimizer, env=b.env, plan=b.plan, loss_fn=b.loss_fn, engine=b.engine)],
+    ids=["evolve", "new-bundle"])
+def test_a_window_continued_on_another_bundle_trains_as_the_original(rebuild):
+    straight, end = weighted_window()
+    for split in (1, 2):
+        split_run, split_end = weighted_window(split, rebuild)
+        assert all(torch.equal(straight[k], split_run[k]) for k in straight)
+        assert split_end == end and split_end.window_items is None
+
+
+def test_the_window_lives_in_the_state_and_is_not_saved():
+    micro = masked_micro_batches()
+    model = TinyTransformerLM()
+    bundle = sw.pipeline(ONE, sw.accumulate_gradients(3))(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn=token_loss)
+    state, _ = train_steps(bundle, bundle.init(), micro[:2])
+    expected = sum(int((m["labels"] != -100).sum()) for m in micro[:2])
+    assert state.window_weighted is True and int(state.window_items) == expected
+    assert state.to_dict() == {"step": 0, "micro_step": 2, "epoch": 0, "batch_in_epoch": 2,
+                               "skipped_steps": 0}
+    assert sw.TrainState.from_dict(state.to_dict()).window_items is None
 
 
 def test_clip_gradients_clips_and_returns_the_norm_before():

@@ -9,9 +9,11 @@ Example:
     ...     state, out = bundle.step(state, batch)
 """
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-from shardwise import errors, policies, testing
+from shardwise import errors, policies
 from shardwise.bundle import Bundle, Plan
 from shardwise.checkpoint import latest_checkpoint, load, save
 from shardwise.configs import from_config, from_ddp_args
@@ -72,7 +74,6 @@ __all__ = [
     "init_on_meta",
     "errors",
     "policies",
-    "testing",
     "mixed_precision",
     "offload",
     "pipeline",
@@ -83,3 +84,10 @@ __all__ = [
     "shard_optimizer",
     "to_device",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``sw.testing`` is imported on first use: test helpers stay out of production imports."""
+    if name == "testing":
+        return importlib.import_module("shardwise.testing")
+    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

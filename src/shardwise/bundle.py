@@ -1,65 +1,35 @@
-# Bundle (model, optimizer, loader, scheduler, env, plan) and Plan, the settings later stages read.
-"""The bundle a pipeline returns, and its plan."""
+# Bundle: model, optimizer, loader, scheduler, env, plan and engine, with the step that trains them.
+"""The bundle a pipeline returns."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Iterable
+from typing import Any
 
 import attrs
 import torch
 
-from shardwise.env import Env, Precision, detect
-from shardwise.state import StepOutput, TrainState
-
-if TYPE_CHECKING:
-    from shardwise.step import Stepper
+from shardwise.engines import Engine, LocalEngine
+from shardwise.env import Env, detect
+from shardwise.plan import LossFn, Plan
+from shardwise.state import OnNonFinite, StepOutput, TrainState
+from shardwise.step import Stepper
 
 __all__ = ["Bundle", "Plan", "OnNonFinite", "LossFn"]
-
-OnNonFinite = Literal["raise", "skip"]
-#: ``loss_fn(model, batch)`` returns a scalar loss, or ``(loss_sum, num_items)``.
-LossFn = Callable[[torch.nn.Module, Any], Any]
-
-
-@attrs.frozen
-class Plan:
-    """Settings recorded by the settings-stage transforms and read by later stages and the step.
-
-    Attributes:
-        precision: compute precision of the forward ("fp32", "bf16", "fp16").
-        accumulation_steps: micro-batches per optimizer step.
-        max_grad_norm: clip the total gradient norm to this, or ``None``.
-        norm_type: the p of the p-norm used for clipping.
-        on_nonfinite: what a NaN/inf loss or gradient does in fp32/bf16.
-        offload: parameters, gradients and the optimizer step live on the CPU (needs shard).
-        autocast: the step runs the forward under autocast (off when FSDP2 casts parameters).
-        sync_each_batch: reduce gradients on every micro-batch, not only on a window's last.
-        applied: the transforms applied so far, in order.
-    """
-
-    precision: Precision = "fp32"
-    accumulation_steps: int = 1
-    max_grad_norm: float | None = None
-    norm_type: float = 2.0
-    on_nonfinite: OnNonFinite = "raise"
-    offload: bool = False
-    autocast: bool = True
-    sync_each_batch: bool = False
-    applied: tuple[Any, ...] = ()
 
 
 @attrs.frozen
 class Bundle:
     """Model, optimizer, loader and scheduler made ready for ``env``, with the step that trains them.
 
-    ``sharded_optimizer`` is the ZeRO-1 engine :func:`shardwise.shard_optimizer` adds; the
-    step drives it with the hyperparameters of ``optimizer``, which stays the user's object.
+    ``engine`` is what the distribution transform chose (one process, DDP, FSDP2): the step,
+    checkpoints, export and the memory estimate ask it how to do what differs between them.
 
     A pipeline returns one; a transform takes one and returns a new one. The torch objects
     inside change in place where torch works that way (DDP wrapping, moving to a device):
-    do not use a bundle again after passing it to a transform.
+    do not use a bundle again after passing it to a transform. The bundle holds no training
+    progress: that is the :class:`TrainState` ``step()`` returns.
 
     Example:
         >>> bundle = sw.pipeline(sw.detect())(model, optimizer, loader)
@@ -76,7 +46,13 @@ class Bundle:
     plan: Plan = attrs.field(factory=Plan)
     loss_fn: LossFn | None = None
     scaler: torch.amp.GradScaler | None = None
-    sharded_optimizer: torch.optim.Optimizer | None = None
+    engine: Engine = attrs.field(factory=LocalEngine)
+
+    @property
+    def sharded_optimizer(self) -> torch.optim.Optimizer | None:
+        """The ZeRO-1 optimizer :func:`shardwise.shard_optimizer` added, driven with the
+        hyperparameters of ``optimizer`` (which stays the user's object), or None."""
+        return self.engine.sharded_optimizer
 
     def init(self) -> TrainState:
         """A fresh :class:`TrainState` at step 0."""
@@ -85,6 +61,9 @@ class Bundle:
     def step(self, state: TrainState, batch: Any, *,
              on_nonfinite: OnNonFinite | None = None) -> tuple[TrainState, StepOutput]:
         """Train on one micro-batch; step the optimizer on the last micro-batch of a window.
+
+        A function of ``(state, batch)``: what a window carries between micro-batches is in
+        ``state``, so another bundle over the same objects continues it exactly.
 
         Args:
             state: the state returned by the previous call (or :meth:`init`).
@@ -102,6 +81,7 @@ class Bundle:
 
     @functools.cached_property
     def _stepper(self) -> Stepper:
-        from shardwise.step import Stepper
-
-        return Stepper(self)
+        """Derived from the fields alone and holding no progress, so caching it is safe."""
+        return Stepper(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                       scaler=self.scaler, loss_fn=self.loss_fn, loader=self.loader,
+                       env=self.env, plan=self.plan, engine=self.engine)

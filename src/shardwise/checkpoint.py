@@ -22,21 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from shardwise import _rng
 from shardwise._safe_reader import SafeReader
-from shardwise._state_dicts import plain, state_dicts
 from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader
+from shardwise.distributed import all_agree, joined
 from shardwise.errors import CheckpointError
 from shardwise.state import TrainState
 
@@ -49,10 +44,6 @@ META = "shardwise.json"
 LATEST = "latest"
 
 
-def _joined(bundle: Bundle) -> bool:
-    return bundle.env.is_distributed and dist.is_initialized()
-
-
 @contextlib.contextmanager
 def _dcp_quietly() -> Iterator[None]:
     """DCP warns that it 'assumes' one process when there is no group; here that is known."""
@@ -61,13 +52,13 @@ def _dcp_quietly() -> Iterator[None]:
         yield
 
 
-def _agree(bundle: Bundle, ok: bool) -> bool:
-    """Whether every rank succeeded (a collective: all ranks call it)."""
-    if not _joined(bundle):
-        return ok
-    flag = torch.tensor([1 if ok else 0], device=bundle.env.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def plain(value: Any, where: str) -> Any:
+    """``value`` as JSON-ready data, or a clear error naming ``where``."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"cannot write {where} as JSON ({exc}); shardwise keeps "
+                              "non-tensor state in JSON so that loading runs no pickle") from None
 
 
 def _write_durably(path: Path, text: str) -> None:
@@ -133,10 +124,10 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             tmp.mkdir()
         except OSError as exc:
             ok, problem = False, str(exc)
-    if not _agree(bundle, ok):
+    if not all_agree(env, ok):
         raise CheckpointError(f"cannot create checkpoint directory {tmp}: {problem or 'on rank 0'}")
     fresh = bundle.optimizer is not None and not bundle.optimizer.state
-    model_sd, tensors, other = state_dicts(bundle)
+    model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
     meta = {"format": FORMAT, "train_state": state.to_dict(), "world_size": env.world_size,
             "data": _data_position(bundle, state),
             "optimizer": plain(other, "the optimizer's hyperparameters"),
@@ -147,7 +138,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     try:
         with _dcp_quietly():
             dcp.save({"model": model_sd, "optimizer": tensors},
-                     storage_writer=FileSystemWriter(tmp), no_dist=not _joined(bundle))
+                     storage_writer=FileSystemWriter(tmp), no_dist=not joined(bundle.env))
         _write_json(tmp / "rng" / f"rank_{env.rank:05d}.json", _rng.capture())
         if env.is_main:
             _write_json(tmp / META, meta)
@@ -155,7 +146,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         ok, problem = False, _cause(exc)
     if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
         bundle.optimizer.state.clear()
-    if not _agree(bundle, ok):
+    if not all_agree(env, ok):
         raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
                               "; the previous checkpoint is intact")
     if env.is_main:
@@ -163,7 +154,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             _publish(root, tmp, final, state.step, keep_last)
         except OSError as exc:
             ok, problem = False, f"{type(exc).__name__}: {exc}"
-    if not _agree(bundle, ok):  # nobody returns before the checkpoint is visible
+    if not all_agree(env, ok):  # nobody returns before the checkpoint is visible
         raise CheckpointError(f"publishing checkpoint {final} failed ({problem}); "
                               f"{root / LATEST} still names the previous checkpoint")
     return final
@@ -289,24 +280,6 @@ def _check_fits(path: Path, reader: SafeReader, target: dict[str, Any],
             f"[{show(shapes)}]")
 
 
-def _typed_groups(optimizer: torch.optim.Optimizer,
-                  groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """JSON's lists turned back into tuples where the optimizer keeps tuples (e.g. betas)."""
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint has {len(groups)} optimizer param groups, the "
-                              f"optimizer {len(optimizer.param_groups)}")
-    return [{k: tuple(v) if isinstance(mine.get(k), tuple) and isinstance(v, list) else v
-             for k, v in saved.items()} for mine, saved in zip(optimizer.param_groups, groups,
-                                                                strict=True)]
-
-
-def _merge(optimizer: torch.optim.Optimizer, tensors: dict[str, Any],
-           other: dict[str, Any]) -> dict[str, Any]:
-    state = {fqn: {**values, **other.get("state", {}).get(fqn, {})}
-             for fqn, values in tensors.get("state", {}).items()}
-    return {"state": state, "param_groups": _typed_groups(optimizer, other["param_groups"])}
-
-
 def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
     """Restore a checkpoint into ``bundle`` and return its :class:`TrainState`.
 
@@ -333,24 +306,18 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
                               "interrupted saves)")
     meta = _read_meta(path)
     reader = SafeReader(path)
-    model_sd, tensors, _ = state_dicts(bundle)
+    engine = bundle.engine
+    model_sd, tensors, _ = engine.state_dicts(bundle.model, bundle.optimizer)
     target = {"model": model_sd, "optimizer": tensors}
-    _check_fits(path, reader, target, partial_optimizer=bundle.sharded_optimizer is not None
-                or bundle.optimizer is None)
+    _check_fits(path, reader, target,
+                partial_optimizer=engine.partial_optimizer or bundle.optimizer is None)
     try:
         with _dcp_quietly():
-            dcp.load(target, storage_reader=reader, no_dist=not _joined(bundle))
+            dcp.load(target, storage_reader=reader, no_dist=not joined(bundle.env))
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"reading checkpoint {path} failed ({_cause(exc)}); the checkpoint "
                               "is partial or corrupt") from None
-    if bundle.optimizer is None or bundle.sharded_optimizer is not None:
-        set_model_state_dict(bundle.model, target["model"])  # ZeRO state was loaded in place
-        if bundle.optimizer is not None:
-            _set_hyperparameters(bundle.optimizer, meta["optimizer"]["param_groups"])
-    else:
-        set_state_dict(bundle.model, bundle.optimizer, model_state_dict=target["model"],
-                       optim_state_dict=_merge(bundle.optimizer, target["optimizer"],
-                                               meta["optimizer"]))
+    engine.load_state_dicts(bundle.model, bundle.optimizer, target, meta["optimizer"])
     if bundle.scheduler is not None and meta.get("scheduler") is not None:
         bundle.scheduler.load_state_dict(meta["scheduler"])
     if bundle.scaler is not None and meta.get("scaler") is not None:
@@ -359,12 +326,6 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
     state = TrainState.from_dict(meta["train_state"])
     _resume_data(bundle, meta["data"])
     return state
-
-
-def _set_hyperparameters(optimizer: torch.optim.Optimizer,
-                         groups: list[dict[str, Any]]) -> None:
-    for mine, saved in zip(optimizer.param_groups, _typed_groups(optimizer, groups), strict=True):
-        mine.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def _restore_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from shardwise.transforms.checkpoint_activations import (
 from shardwise.transforms.offload import Offload, offload
 from shardwise.transforms.replicate import replicate
 from shardwise.transforms.shard import shard
+from shardwise.transforms.shard_optimizer import ShardOptimizer
 
 __all__ = ["SAFE_FRACTION", "choose_distribution", "sample_batch"]
 
@@ -53,7 +54,10 @@ def _candidates(env: Env, given: list[Transform]) -> list[tuple[str, list[Transf
     # offloading to the host frees nothing when the device is the host
     no_offload = any(isinstance(t, Offload) for t in given) or env.device.type == "cpu"
     ckpt: list[Transform] = [] if has_ckpt else [checkpoint_activations()]
-    out: list[tuple[str, list[Transform]]] = [("replicate", [replicate()]), ("shard", [shard()])]
+    out: list[tuple[str, list[Transform]]] = [("replicate", [replicate()])]
+    if any(isinstance(t, ShardOptimizer) for t in given):
+        return out  # ZeRO-1 shards the optimizer of a replicated model only
+    out.append(("shard", [shard()]))
     if ckpt:
         out.append(("shard + checkpoint_activations", [shard(), *ckpt]))
     if not no_offload:

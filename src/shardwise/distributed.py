@@ -14,7 +14,7 @@ import torch.distributed as dist
 from shardwise.env import Env
 from shardwise.errors import EnvError
 
-__all__ = ["ensure_process_group"]
+__all__ = ["ensure_process_group", "joined", "all_agree"]
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +113,17 @@ def ensure_process_group(env: Env) -> None:
     if _groups_started == 1:
         atexit.register(_shutdown)
     _started = (dist.group.WORLD, exit_store)
+
+
+def joined(env: Env) -> bool:
+    """Whether ``env`` has several ranks and this process is in their group."""
+    return env.is_distributed and dist.is_initialized()
+
+
+def all_agree(env: Env, ok: bool) -> bool:
+    """Whether every rank passed ``ok=True`` (a collective: every rank calls it)."""
+    if not joined(env):
+        return ok
+    flag = torch.tensor([1 if ok else 0], device=env.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 
-from shardwise._params import clean_name, unwrap
+from shardwise._params import clean_name
 from shardwise.bundle import Bundle
+from shardwise.distributed import all_agree
+from shardwise.engines import Engine
 from shardwise.errors import CheckpointError
 
 __all__ = ["export"]
@@ -22,12 +22,12 @@ __all__ = ["export"]
 WEIGHTS = "model.safetensors"
 
 
-def _gathered(model: torch.nn.Module, main: bool,
+def _gathered(model: torch.nn.Module, engine: Engine, main: bool,
               dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The full state dict on the main rank, one tensor at a time (others get nothing)."""
     out: dict[str, torch.Tensor] = {}
-    for name, value in unwrap(model).state_dict().items():
-        tensor = value.full_tensor() if isinstance(value, DTensor) else value  # a collective
+    for name, value in engine.unwrap(model).state_dict().items():
+        tensor = engine.full(value)  # a collective when sharded
         if not main:
             continue
         tensor = tensor.detach().to("cpu")
@@ -49,7 +49,7 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _write_config(model: torch.nn.Module, out: Path) -> None:
-    config: Any = getattr(unwrap(model), "config", None)
+    config: Any = getattr(model, "config", None)
     if config is None:
         return
     if hasattr(config, "save_pretrained"):  # a Transformers PretrainedConfig
@@ -82,7 +82,7 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *,
         >>> sw.export("out/final", bundle, dtype=torch.bfloat16)
     """
     env, out = bundle.env, Path(path)
-    tensors = _gathered(bundle.model, env.is_main, dtype)
+    tensors = _gathered(bundle.model, bundle.engine, env.is_main, dtype)
     problem = ""
     if env.is_main:
         try:
@@ -90,13 +90,11 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *,
             tmp = out / f".{WEIGHTS}.tmp"
             save_file(_unshared(tensors), str(tmp), metadata={"format": "pt"})
             os.replace(tmp, out / WEIGHTS)  # an earlier export stays whole until then
-            _write_config(bundle.model, out)
+            _write_config(bundle.engine.unwrap(bundle.model), out)
         except OSError as exc:
             problem = f"{type(exc).__name__}: {exc}"
-    if env.is_distributed and dist.is_initialized():  # every rank learns how it went
-        flag = torch.tensor([0 if problem else 1], device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        problem = problem or ("" if flag.item() else "on rank 0")
+    if not all_agree(env, not problem):  # every rank learns how it went
+        problem = problem or "on rank 0"
     if problem:
         raise CheckpointError(f"cannot write the export to {out}: {problem}")
     return out

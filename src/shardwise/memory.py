@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -14,18 +13,26 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
-from shardwise.env import Env, Precision
+from shardwise import precision as precisions
+from shardwise.engines import Engine
+from shardwise.env import Env
 from shardwise.policies import Policy, select
-from shardwise.transforms.accumulate_gradients import AccumulateGradients
-from shardwise.transforms.base import Transform
+from shardwise.precision import Precision
+from shardwise.transforms.base import Distribution, Transform, plan_of
 from shardwise.transforms.checkpoint_activations import CheckpointActivations
-from shardwise.transforms.mixed_precision import MixedPrecision, compute_dtype
-from shardwise.transforms.offload import Offload
-from shardwise.transforms.shard import Shard
+from shardwise.transforms.replicate import replicate
 from shardwise.transforms.shard_optimizer import ShardOptimizer
 
-if TYPE_CHECKING:
-    from shardwise.pipeline import Pipeline
+
+class _HasTransforms(Protocol):
+    """A :class:`shardwise.Pipeline` (its env and transforms are read)."""
+
+    @property
+    def env(self) -> Env: ...
+
+    @property
+    def transforms(self) -> tuple[Transform, ...]: ...
+
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -91,14 +98,6 @@ def _optimizer_layout(optimizer: torch.optim.Optimizer | None) -> tuple[float, f
     return per_element, sizes[0] - per_element * 1024
 
 
-def _shard_numel(param: torch.Tensor, ranks: int) -> int:
-    """Elements of the largest shard of ``param`` when FSDP2 splits dim 0 over ``ranks``."""
-    if param.ndim == 0:
-        return 1
-    rest = param.numel() // max(param.shape[0], 1)
-    return math.ceil(param.shape[0] / ranks) * rest
-
-
 def _to_meta(value: Any) -> Any:
     return value.to("meta") if isinstance(value, torch.Tensor) else value
 
@@ -130,7 +129,7 @@ def _block_meter(blocks: list[nn.Module], counter: list[int],
 def _activations(model: nn.Module, batch: Any, precision: Precision,
                  checkpointed: Policy | None) -> int | None:
     """Bytes saved for backward by one forward of ``batch``, run on the meta device."""
-    dtype = compute_dtype(precision)
+    dtype = precisions.dtype(precision)
     params = {n: torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else None)
               .requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
     buffers = {n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()}
@@ -167,14 +166,23 @@ def _activations(model: nn.Module, batch: Any, precision: Precision,
     return counter[0] - inside + kept_inputs + max(saved for saved, _ in per_block)
 
 
-def _parts(pipeline: Pipeline | Sequence[Transform] | None) -> dict[type, Any]:
+def _transforms(pipeline: _HasTransforms | Sequence[Transform] | None) -> list[Transform]:
     if pipeline is None:
-        return {}
-    transforms = pipeline if isinstance(pipeline, Sequence) else pipeline.transforms
-    return {type(t): t for t in transforms}
+        return []
+    return list(pipeline if isinstance(pipeline, Sequence) else pipeline.transforms)
 
 
-def estimate_memory(model: nn.Module, pipeline: Pipeline | Sequence[Transform] | None = None,
+def engine_of(transforms: Sequence[Transform], env: Env) -> Engine:
+    """The engine ``transforms`` would put in a bundle under ``env`` (none given: replicate)."""
+    plan = plan_of(transforms)
+    distribution = next((t for t in transforms if isinstance(t, Distribution)), replicate())
+    engine = distribution.engine(env, plan)
+    if env.is_distributed and any(isinstance(t, ShardOptimizer) for t in transforms):
+        engine = engine.with_sharded_optimizer(None)
+    return engine
+
+
+def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transform] | None = None,
                     env: Env | None = None,
                     *, batch: Any = None,
                     optimizer: torch.optim.Optimizer | None = None) -> MemoryEstimate:
@@ -199,69 +207,21 @@ def estimate_memory(model: nn.Module, pipeline: Pipeline | Sequence[Transform] |
     """
     if env is None:
         env = getattr(pipeline, "env", None) or Env()
-    parts = _parts(pipeline)
-    shard, ckpt = parts.get(Shard), parts.get(CheckpointActivations)
-    mp = parts.get(MixedPrecision)
-    precision: Precision = mp.precision if mp is not None else "fp32"
-    sharded = shard is not None and env.is_distributed
-    ranks = 1
-    if sharded and shard is not None:
-        ranks = env.local_world_size if shard.replicate_across_nodes else env.world_size
-    params, grads, opt = _state_bytes(model, parts, env, ranks, optimizer)
-    working = _working_bytes(model, shard, precision) if sharded and shard is not None else 0
+    transforms = _transforms(pipeline)
+    plan = plan_of(transforms)
+    engine = engine_of(transforms, env)
+    ckpt = next((t for t in transforms if isinstance(t, CheckpointActivations)), None)
+    trained = ({id(p) for g in optimizer.param_groups for p in g["params"]}
+               if optimizer is not None else {id(p) for p in model.parameters() if p.requires_grad})
+    parts = engine.memory(model, env, trained=trained, optimizer_layout=_optimizer_layout(optimizer),
+                          precision_bytes=precisions.dtype(plan.precision).itemsize,
+                          accumulating=plan.accumulation_steps > 1)
     activations = None
     if batch is not None:
-        activations = _activations(model, batch, precision,
+        activations = _activations(model, batch, plan.precision,
                                    ckpt.policy if ckpt is not None else None)
-    layout = f"shard over {ranks} ranks" if sharded else f"replicated on {env.world_size} rank(s)"
-    if ShardOptimizer in parts and env.is_distributed and not sharded:
-        layout += " + sharded optimizer"
-    if _offloads(parts, env):
-        layout += " + CPU offload"
-    if ckpt is not None:
-        layout += " + activation checkpointing"
-    total = params + grads + opt + (activations or 0) + working
-    return MemoryEstimate(params, grads, opt, activations, working, total, layout)
-
-
-def _offloads(parts: dict[type, Any], env: Env) -> bool:
-    """Whether offload frees device memory: it needs shard(), and a device that is not the host."""
-    offload = parts.get(Offload)
-    return (offload is not None and offload.cpu and Shard in parts and env.is_distributed
-            and env.device.type != "cpu")
-
-
-def _state_bytes(model: nn.Module, parts: dict[type, Any], env: Env, ranks: int,
-                 optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int]:
-    """Device bytes of parameters (and buffers), gradients and optimizer state on one rank."""
-    params = list(model.parameters())
-    trained = ({id(p) for g in optimizer.param_groups for p in g["params"]}
-               if optimizer is not None else {id(p) for p in params if p.requires_grad})
-    numel = {id(p): _shard_numel(p, ranks) if ranks > 1 else p.numel() for p in params}
-    param_bytes = sum(numel[id(p)] * p.element_size() for p in params)
-    param_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
-    grad_numel = [numel[id(p)] for p in params if id(p) in trained]
-    accumulate = parts.get(AccumulateGradients)
-    shard = parts.get(Shard)
-    if ranks > 1 and accumulate is not None and accumulate.steps > 1 and shard is not None \
-            and not shard.sync_each_batch:  # unsharded gradients accumulate between syncs
-        grad_numel = [p.numel() for p in params if id(p) in trained]
-    grad_bytes = sum(grad_numel) * 4
-    per_element, per_tensor = _optimizer_layout(optimizer)
-    opt_bytes = int(sum(per_element * numel[id(p)] + per_tensor for p in params
-                        if id(p) in trained))
-    if ShardOptimizer in parts and env.is_distributed and ranks == 1:
-        opt_bytes = math.ceil(opt_bytes / env.world_size)
-    if _offloads(parts, env):  # sharded parameters, gradients and the optimizer live on the host
-        return 0, 0, 0
-    return param_bytes, grad_bytes, opt_bytes
-
-
-def _working_bytes(model: nn.Module, shard: Shard, precision: Precision) -> int:
-    """Parameters gathered for compute under shard(): the root's and the blocks in flight."""
-    blocks = [m for _, m in select(shard.policy, model, user="estimate_memory")]
-    block_numel = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
-    gathered = 2 * max(block_numel, default=0) if shard.reshard_after_forward else sum(block_numel)
-    return (root + gathered) * compute_dtype(precision).itemsize
+    layout = parts.layout + (" + activation checkpointing" if ckpt is not None else "")
+    total = (parts.params_bytes + parts.grads_bytes + parts.optimizer_bytes + (activations or 0)
+             + parts.working_bytes)
+    return MemoryEstimate(parts.params_bytes, parts.grads_bytes, parts.optimizer_bytes,
+                          activations, parts.working_bytes, total, layout)

@@ -4,20 +4,22 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, get_args
+from typing import Any
 
 import attrs
 import torch
 
 from shardwise._params import refuse_state
-from shardwise.bundle import Bundle, LossFn, OnNonFinite, Plan
+from shardwise.bundle import Bundle
 from shardwise.choice import SAFE_FRACTION, choose_distribution, sample_batch
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env, detect
 from shardwise.errors import ConflictError
+from shardwise.plan import LossFn, Plan
+from shardwise.state import OnNonFinite, check_on_nonfinite
 from shardwise.transforms.base import Stage, Transform
 from shardwise.transforms.distribute_data import DistributeData, distribute_data
-from shardwise.transforms.mixed_precision import MixedPrecision, check_precision, mixed_precision
+from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
 from shardwise.transforms.offload import Offload
 from shardwise.transforms.place import Place, place
 from shardwise.transforms.shard import Shard
@@ -64,7 +66,7 @@ def _check(parts: list[Transform], env: Env) -> None:
                             "model; a pipeline takes at most one distribution transform")
     for part in parts:
         if isinstance(part, MixedPrecision):
-            check_precision(part.precision, env, repr(part))
+            part.check(env)
         if isinstance(part, ShardOptimizer) and any(isinstance(p, Shard) for p in parts):
             shard_part = next(p for p in parts if isinstance(p, Shard))
             raise ConflictError(f"{part!r} and {shard_part!r}: shard() already shards optimizer "
@@ -207,9 +209,7 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
     if len(envs) > 1:
         raise ConflictError(f"pipeline() got {len(envs)} Envs ({envs[0]!r} and {envs[1]!r}); "
                             "pass one")
-    if on_nonfinite not in get_args(OnNonFinite):
-        raise ValueError(f"pipeline() 'on_nonfinite' must be 'raise' or 'skip' "
-                         f"(got {on_nonfinite!r})")
+    check_on_nonfinite(on_nonfinite, "pipeline()")
     env = envs[0] if envs else detect()
     configured, notes = _from_config_file(env, transforms)
     transforms = [*configured, *transforms]

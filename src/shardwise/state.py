@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 import attrs
 import torch
 
-__all__ = ["TrainState", "StepOutput"]
+__all__ = ["TrainState", "StepOutput", "PROGRESS", "OnNonFinite", "check_on_nonfinite"]
+
+#: What a non-finite loss or gradient does in fp32/bf16: raise, or skip the optimizer step.
+OnNonFinite = Literal["raise", "skip"]
+
+#: The fields of :class:`TrainState` a checkpoint saves.
+PROGRESS = ("step", "micro_step", "epoch", "batch_in_epoch", "skipped_steps")
 
 
 @attrs.frozen
@@ -17,7 +23,11 @@ class TrainState:
 
     ``step`` counts completed accumulation windows (optimizer updates, including those
     skipped for non-finite values, which ``skipped_steps`` counts); ``micro_step`` counts
-    ``step()`` calls. ``epoch`` and ``batch_in_epoch`` follow ``bundle.loader``.
+    ``step()`` calls; ``epoch`` and ``batch_in_epoch`` are the data position (the step
+    advances it by one batch, and starts a new epoch when ``bundle.loader`` does; ``sw.load``
+    positions the loader from it). Whatever must survive from one micro-batch to the next
+    lives here too (``window_items``, ``window_weighted``, ``synced``), so a step is a
+    function of ``(state, batch)`` alone.
 
     Example:
         >>> state = bundle.init()
@@ -32,19 +42,28 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0
     skipped_steps: int = 0
+    # Within an accumulation window (never saved: checkpoints are taken between windows).
+    #: the items counted so far in this window, when the loss is ``(loss_sum, num_items)``
+    window_items: torch.Tensor | None = attrs.field(default=None, eq=False)
+    #: whether this window's losses are ``(loss_sum, num_items)``; None before its first
+    window_weighted: bool | None = None
+    #: whether the model has run a synchronised backward in this process (DDP's static
+    #: graph needs one before a ``no_sync`` micro-batch); not saved, it belongs to the wrapper
+    synced: bool = attrs.field(default=False, eq=False)
 
     def to_dict(self) -> dict[str, int]:
-        """The state as a JSON-ready dict."""
-        return attrs.asdict(self)
+        """The progress counters as a JSON-ready dict (the window fields are not saved)."""
+        return {name: getattr(self, name) for name in PROGRESS}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainState:
         """Rebuild a state written by :meth:`to_dict`; unknown keys are refused."""
-        names = {f.name for f in attrs.fields(cls)}
+        names = set(PROGRESS)
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"TrainState has no field(s) {unknown}; accepted: {sorted(names)}")
-        return cls(**{k: int(v) for k, v in data.items()})
+        counters: dict[str, Any] = {k: int(v) for k, v in data.items()}
+        return cls(**counters)
 
 
 @attrs.frozen
@@ -63,3 +82,12 @@ class StepOutput:
     grad_norm: torch.Tensor | None
     stepped: bool
     lr: float | None
+
+
+def check_on_nonfinite(value: Any, where: str, *, allow_none: bool = False) -> None:
+    """Raise a ValueError naming ``where`` unless ``value`` is "raise" or "skip" (or None,
+    where ``allow_none``)."""
+    if value in get_args(OnNonFinite) or (allow_none and value is None):
+        return
+    accepted = "'raise', 'skip' or None" if allow_none else "'raise' or 'skip'"
+    raise ValueError(f"{where} 'on_nonfinite' must be {accepted} (got {value!r})")

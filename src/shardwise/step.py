@@ -3,25 +3,20 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
+from shardwise import precision
 from shardwise.data import DeviceLoader, to_device
-from shardwise.errors import ConflictError, LossError, NonFiniteError, OptimizerError
-from shardwise.state import StepOutput, TrainState
-from shardwise.transforms.mixed_precision import autocast_factory
-
-if TYPE_CHECKING:
-    from shardwise.bundle import Bundle, OnNonFinite
+from shardwise.engines.base import Engine
+from shardwise.env import Env
+from shardwise.errors import LossError, NonFiniteError, OptimizerError
+from shardwise.plan import LossFn, Plan
+from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
 
 __all__ = ["Stepper"]
 
@@ -40,30 +35,6 @@ def _loss_of(out: Any) -> torch.Tensor:
     return loss
 
 
-@contextlib.contextmanager
-def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a gradient (its shard under FSDP2)."""
-    return grad.to_local() if isinstance(grad, DTensor) else grad
-
-
-def _copy_hyperparameters(source: torch.optim.Optimizer, engine: torch.optim.Optimizer) -> None:
-    """Give the sharded engine the user's current hyperparameters (a scheduler changes them)."""
-    for mine, theirs in zip(source.param_groups, engine.param_groups, strict=True):
-        for key, value in mine.items():
-            if key != "params":
-                theirs[key] = value
-    # the user's optimizer is the one an LR scheduler watches: it counts as stepped
-    source._opt_called = True  # type: ignore[attr-defined]
-
-
 def _sum_and_count(result: tuple[Any, ...]) -> tuple[torch.Tensor, Any]:
     """Check a ``(loss_sum, num_items)`` pair from ``loss_fn``."""
     count = result[1] if len(result) == 2 else None
@@ -79,35 +50,29 @@ def _sum_and_count(result: tuple[Any, ...]) -> tuple[torch.Tensor, Any]:
 
 
 class Stepper:
-    """Runs ``Bundle.step``; built once per bundle, on the first step."""
+    """Runs ``Bundle.step``. Built from the bundle's fields and holding nothing that changes
+    between calls (only scratch tensors it zeroes before each use): everything that must
+    survive from one micro-batch to the next is in the :class:`TrainState`, so two steppers
+    over the same objects train identically.
+    """
 
-    def __init__(self, bundle: Bundle) -> None:
-        if bundle.optimizer is None:
+    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 scheduler: Any, scaler: torch.amp.GradScaler | None, loss_fn: LossFn | None,
+                 loader: Any, env: Env, plan: Plan, engine: Engine) -> None:
+        if optimizer is None:
             raise OptimizerError("step() needs an optimizer: pass one to the pipeline call")
-        plan, env = bundle.plan, bundle.env
-        self.model, self.optimizer = bundle.model, bundle.optimizer
-        # the optimizer that steps: the user's, or the ZeRO-1 engine driven by its settings
-        self.engine = bundle.sharded_optimizer or bundle.optimizer
-        self.scheduler, self.scaler, self.loss_fn = bundle.scheduler, bundle.scaler, bundle.loss_fn
-        self.plan = plan
-        self.window = plan.accumulation_steps
-        if plan.offload and not isinstance(self.model, FSDPModule) and env.is_distributed:
-            raise ConflictError("offload() is carried out by shard(): add sw.shard() to the "
-                                "pipeline, or remove offload()")
-        self.autocast = autocast_factory(plan.precision, env.device) if plan.autocast else None
-        self.ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
-        self.fsdp = self.model if isinstance(self.model, FSDPModule) else None
-        self.static_graph = bool(self.ddp is not None and self.ddp.static_graph)
-        self.synced_once = False  # DDP's static graph needs one synchronised iteration first
-        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.device = env.device
+        self.model, self.optimizer, self.engine = model, optimizer, engine
+        self.scheduler, self.scaler, self.loss_fn = scheduler, scaler, loss_fn
+        self.plan, self.window = plan, plan.accumulation_steps
+        self.autocast = (None if engine.casts_parameters
+                         else precision.autocast(plan.precision, env.device))
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
         # gradients arrive averaged over ranks when a wrapper synchronises them
-        self.ranks = env.world_size if env.is_distributed and dist.is_initialized() else 1
-        self.loader = bundle.loader if isinstance(bundle.loader, DeviceLoader) else None
-        self.move = bundle.loader is None and env.device.type != "cpu"
-        self.items: torch.Tensor | None = None  # items counted in this window (token-weighted)
-        self.weighted: bool | None = None  # whether this window's losses are (sum, count)
-        self.flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.ranks = engine.gradient_ranks(env) if dist.is_initialized() else 1
+        self.loader = loader if isinstance(loader, DeviceLoader) else None
+        self.move = loader is None and env.device.type != "cpu"
+        self.device = env.device
+        self.scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """The loss, and the item count when the loss is a sum."""
@@ -124,23 +89,24 @@ class Stepper:
             out = self.model(batch)
         return _loss_of(out), None
 
-    def backward(self, batch: Any) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns the loss to report."""
+    def backward(self, state: TrainState,
+                 batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """Forward and backward of one micro-batch: the loss to report, and the window's item
+        count and form with this micro-batch counted."""
         if self.autocast is None:
             loss, items = self.forward(batch)
         else:
             with self.autocast():
                 loss, items = self.forward(batch)
         weighted = items is not None
-        if self.weighted is None:
-            self.weighted = weighted
-        elif self.weighted != weighted:
+        if state.window_weighted is not None and state.window_weighted != weighted:
             raise LossError("loss_fn returned (loss_sum, num_items) for some micro-batches of a "
                             "window and a plain loss for others; return one form always")
+        total = state.window_items
         if weighted:
             count = torch.as_tensor(items, dtype=torch.float64, device=loss.device).reshape(())
-            # a copy: the window's total is all-reduced in place, the user's tensor must not be
-            self.items = count.clone() if self.items is None else self.items + count
+            # a new tensor: the window's total is all-reduced in place, the user's must not be
+            total = count.clone() if total is None else total + count
             report = loss.detach() / count.to(loss.dtype)
         else:
             report = loss.detach()
@@ -149,15 +115,13 @@ class Stepper:
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
-        return report
+        return report, total, weighted
 
-    def normalise(self) -> None:
+    def normalise(self, total: torch.Tensor) -> None:
         """Divide summed gradients by the items of the whole window on all ranks."""
-        total = self.items
-        assert total is not None
         if self.ranks > 1:
             dist.all_reduce(total)
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [self.engine.local(p.grad) for p in self.params if p.grad is not None]
         factor = (self.ranks / total).to(torch.float32)
         torch._foreach_mul_(grads, factor.to(grads[0].device) if grads else factor)
 
@@ -173,39 +137,36 @@ class Stepper:
         if plan.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, plan.max_grad_norm,
                                                   norm_type=plan.norm_type)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
+            norm = self.engine.full(norm)
             return norm, math.isfinite(norm.item())
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return None, True
-        device = _local(grads[0]).device
-        if device not in self.flags:
-            self.flags[device] = (torch.zeros((), device=device), torch.ones((), device=device))
-        found_inf, unit = self.flags[device]
+        device = self.engine.local(grads[0]).device
+        if device not in self.scratch:
+            self.scratch[device] = (torch.zeros((), device=device), torch.ones((), device=device))
+        found_inf, unit = self.scratch[device]
         found_inf.zero_()
         # on sharded (DTensor) gradients torch reduces the flag over the mesh: all ranks agree
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, unit)
         return None, found_inf.item() == 0
 
-    def update(self, state: TrainState,
+    def update(self, state: TrainState, total: torch.Tensor | None,
                on_nonfinite: OnNonFinite) -> tuple[torch.Tensor | None, bool]:
         """Finish the window: normalise, unscale, clip, step. Returns (norm, skipped)."""
-        optimizer, engine = self.optimizer, self.engine
-        if engine is not optimizer:
-            _copy_hyperparameters(optimizer, engine)
+        optimizer = self.optimizer
+        stepping = self.engine.stepping_optimizer(optimizer)
         if self.scaler is not None:
-            self.scaler.unscale_(engine)
-        if self.weighted:
-            self.normalise()
-        self.items, self.weighted = None, None
+            self.scaler.unscale_(stepping)
+        if total is not None:
+            self.normalise(total)
         norm, finite = self.check_grads()
         skipped = not finite
         if self.scaler is not None:
-            self.scaler.step(engine)
+            self.scaler.step(stepping)
             self.scaler.update()
         elif finite:
-            engine.step()
+            stepping.step()
         elif on_nonfinite == "raise":
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -217,44 +178,37 @@ class Stepper:
         optimizer.zero_grad(set_to_none=True)
         return norm, skipped
 
-    def sync_context(self, state: TrainState, boundary: bool) -> Callable[[], Any] | None:
-        """The context that skips gradient reduction on this micro-batch, or None."""
-        if boundary or self.plan.sync_each_batch:
-            return None
-        if self.fsdp is not None:
-            return functools.partial(_fsdp_no_sync, self.fsdp)
-        if self.ddp is None:
-            return None
-        if self.static_graph and not self.synced_once:
-            return None  # DDP's static graph must see one synchronised iteration first
-        return self.ddp.no_sync
+    def position(self, state: TrainState) -> tuple[int, int]:
+        """The data position after this batch: one batch on, or the start of the epoch the
+        loader has just begun."""
+        loader = self.loader
+        if loader is not None and loader.epoch != state.epoch:
+            return loader.epoch, loader.batch_in_epoch
+        return state.epoch, state.batch_in_epoch + 1
 
     def step(self, state: TrainState, batch: Any,
              on_nonfinite: OnNonFinite | None) -> tuple[TrainState, StepOutput]:
+        check_on_nonfinite(on_nonfinite, "step()", allow_none=True)
         micro = state.micro_step + 1
         boundary = micro % self.window == 0
         if self.move:
             batch = to_device(batch, self.device)
-        if on_nonfinite is not None and on_nonfinite not in ("raise", "skip"):
-            raise ValueError(f"step() 'on_nonfinite' must be 'raise', 'skip' or None "
-                             f"(got {on_nonfinite!r})")
-        no_sync = self.sync_context(state, boundary)
+        no_sync = None if boundary else self.engine.no_sync(self.model, state)
         if no_sync is None:
-            loss = self.backward(batch)
-            self.synced_once = True
+            loss, total, weighted = self.backward(state, batch)
         else:
             with no_sync():
-                loss = self.backward(batch)
-        norm, skipped, steps = None, False, state.step
+                loss, total, weighted = self.backward(state, batch)
+        norm, skipped = None, False
         if boundary:
-            norm, skipped = self.update(state, on_nonfinite or self.plan.on_nonfinite)
-            steps += 1
-        loader = self.loader
+            norm, skipped = self.update(state, total, on_nonfinite or self.plan.on_nonfinite)
+        epoch, batch_in_epoch = self.position(state)
         next_state = TrainState(
-            step=steps, micro_step=micro,
-            epoch=loader.epoch if loader is not None else state.epoch,
-            batch_in_epoch=loader.batch_in_epoch if loader is not None else state.batch_in_epoch + 1,
-            skipped_steps=state.skipped_steps + skipped)
+            step=state.step + boundary, micro_step=micro, epoch=epoch,
+            batch_in_epoch=batch_in_epoch, skipped_steps=state.skipped_steps + skipped,
+            window_items=None if boundary else total,
+            window_weighted=None if boundary else weighted,
+            synced=state.synced or no_sync is None)
         lr = self.optimizer.param_groups[0].get("lr")
         return next_state, StepOutput(loss=loss, grad_norm=norm, stepped=boundary and not skipped,
                                       lr=lr)

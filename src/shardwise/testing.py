@@ -15,7 +15,6 @@ import math
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from shardwise._net import free_port
 from shardwise.distributed import _shutdown
 from shardwise.errors import RankFailedError
 
@@ -33,13 +33,6 @@ __all__ = [
     "run_distributed", "free_port", "full_state", "max_param_diff", "TinyMLP", "TinyTransformerLM",
     "TinyDecoderBlock", "SyntheticTokens", "SyntheticRegression",
 ]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int,

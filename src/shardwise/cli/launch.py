@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from shardwise._net import free_port
+
 HELP = "run a training script on torchrun (config file and flags like `accelerate launch`)"
 
 _LAUNCH_KEYS = ("num_processes", "num_machines", "machine_rank", "main_process_ip",
@@ -70,12 +72,6 @@ def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None, bo
     return data, path, changed
 
 
-def _free_port() -> int:
-    from shardwise.testing import free_port
-
-    return free_port()
-
-
 def torchrun_args(settings: dict[str, Any], args: argparse.Namespace) -> list[str]:
     """torchrun's arguments for these settings."""
     from shardwise.errors import ConfigError
@@ -99,7 +95,7 @@ def torchrun_args(settings: dict[str, Any], args: argparse.Namespace) -> list[st
             raise ConfigError("main_process_port=0 (a free port) works on one machine only: "
                               "the machines must agree on the port; give one, or leave it "
                               "unset for 29500")
-        port = _free_port()
+        port = free_port()
     ip = settings.get("main_process_ip") or None
     out = [f"--nproc_per_node={total // machines}", f"--max_restarts={args.max_restarts}"]
     if machines == 1 and settings.get("rdzv_backend", "static") == "static":

@@ -9,6 +9,7 @@ import attrs
 
 from shardwise.bundle import Bundle
 from shardwise.env import Env
+from shardwise.plan import Plan
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["AccumulateGradients", "accumulate_gradients"]
@@ -23,7 +24,10 @@ class AccumulateGradients(Transform):
     factory_name: ClassVar[str] = "accumulate_gradients"
 
     def __call__(self, bundle: Bundle) -> Bundle:
-        return self._record(bundle, accumulation_steps=self.steps)
+        return self._record(bundle)
+
+    def record(self, plan: Plan) -> Plan:
+        return attrs.evolve(plan, accumulation_steps=self.steps)
 
     def describe(self, env: Env) -> str:
         sync = "; gradients synchronised on the last only" if env.is_distributed else ""

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar
+from collections.abc import Iterable
+from typing import ClassVar
 
 import attrs
 
-from shardwise.bundle import Bundle, Plan
+from shardwise.bundle import Bundle
+from shardwise.engines import Engine
 from shardwise.env import Env
 from shardwise.errors import ConflictError
+from shardwise.plan import Plan
 
-__all__ = ["Stage", "Transform"]
+__all__ = ["Stage", "Transform", "Distribution", "plan_of"]
 
 
 class Stage(enum.IntEnum):
@@ -44,13 +47,18 @@ class Transform:
         """One line saying what this transform will do under ``env``."""
         return repr(self)
 
+    def record(self, plan: Plan) -> Plan:
+        """``plan`` with this transform's settings recorded (only settings-stage transforms
+        record any); pure, so a pipeline's plan is known before it is applied."""
+        return plan
+
     def __repr__(self) -> str:
         return factory_repr(type(self).factory_name, self)
 
     factory_name: ClassVar[str]
 
-    def _record(self, bundle: Bundle, **plan_changes: Any) -> Bundle:
-        """A new bundle whose plan records this transform (and ``plan_changes``).
+    def _record(self, bundle: Bundle) -> Bundle:
+        """A new bundle whose plan records this transform (:meth:`record`, and ``applied``).
 
         Raises:
             ConflictError: a transform of the same kind was applied to this bundle already,
@@ -67,9 +75,26 @@ class Transform:
                     f"{self!r} ({self.stage.name.lower()}) cannot be applied after {earlier!r} "
                     f"({earlier.stage.name.lower()}): transforms apply in the order {order}; "
                     "apply it first, or let sw.pipeline(...) order them")
-        plan: Plan = attrs.evolve(bundle.plan, applied=(*bundle.plan.applied, self),
-                                  **plan_changes)
+        plan = attrs.evolve(self.record(bundle.plan), applied=(*bundle.plan.applied, self))
         return attrs.evolve(bundle, plan=plan)
+
+
+class Distribution(Transform):
+    """Base of the distribution transforms: each puts one engine in the bundle."""
+
+    stage: ClassVar[Stage] = Stage.DISTRIBUTION
+
+    def engine(self, env: Env, plan: Plan) -> Engine:
+        """The engine this transform puts in the bundle under ``env`` and ``plan``, as
+        settings only (nothing is built): the memory estimate asks it too."""
+        raise NotImplementedError
+
+
+def plan_of(transforms: Iterable[Transform], plan: Plan | None = None) -> Plan:
+    """The plan ``transforms`` record, in canonical order, without applying them."""
+    for transform in sorted(transforms, key=lambda t: t.stage):
+        plan = transform.record(plan or Plan())
+    return plan or Plan()
 
 
 def factory_repr(name: str, obj: object) -> str:

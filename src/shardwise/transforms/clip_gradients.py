@@ -10,6 +10,7 @@ import attrs
 
 from shardwise.bundle import Bundle
 from shardwise.env import Env
+from shardwise.plan import Plan
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["ClipGradients", "clip_gradients"]
@@ -25,7 +26,10 @@ class ClipGradients(Transform):
     factory_name: ClassVar[str] = "clip_gradients"
 
     def __call__(self, bundle: Bundle) -> Bundle:
-        return self._record(bundle, max_grad_norm=self.max_norm, norm_type=self.norm_type)
+        return self._record(bundle)
+
+    def record(self, plan: Plan) -> Plan:
+        return attrs.evolve(plan, max_grad_norm=self.max_norm, norm_type=self.norm_type)
 
     def describe(self, env: Env) -> str:
         return f"clip the total {self.norm_type}-norm of the gradients to {self.max_norm}"

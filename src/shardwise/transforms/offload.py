@@ -9,6 +9,7 @@ import attrs
 
 from shardwise.bundle import Bundle
 from shardwise.env import Env
+from shardwise.plan import Plan
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["Offload", "offload"]
@@ -23,7 +24,10 @@ class Offload(Transform):
     factory_name: ClassVar[str] = "offload"
 
     def __call__(self, bundle: Bundle) -> Bundle:
-        return self._record(bundle, offload=self.cpu)
+        return self._record(bundle)
+
+    def record(self, plan: Plan) -> Plan:
+        return attrs.evolve(plan, offload=self.cpu)
 
     def describe(self, env: Env) -> str:
         if not self.cpu:

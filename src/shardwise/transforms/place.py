@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
-from torch.distributed.fsdp import FSDPModule
 
 from shardwise._params import param_names, rebind_optimizer
 from shardwise.bundle import Bundle
@@ -26,7 +25,7 @@ class Place(Transform):
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         names = param_names(bundle.model)
-        if not isinstance(bundle.model, FSDPModule):  # fully_shard placed its own shards
+        if not bundle.engine.places_parameters:
             bundle.model.to(bundle.env.device)
         rebind_optimizer(bundle.optimizer, names, bundle.model)
         return bundle

@@ -12,10 +12,12 @@ from torch.nn.parallel import DistributedDataParallel
 from shardwise._params import param_names, rebind_optimizer, refuse_state
 from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
+from shardwise.engines import DDPEngine, Engine, LocalEngine
 from shardwise.env import Env
 from shardwise.errors import ConflictError
 from shardwise.meta_init import is_rank0_weights
-from shardwise.transforms.base import Stage, Transform
+from shardwise.plan import Plan
+from shardwise.transforms.base import Distribution
 
 __all__ = ["Replicate", "replicate"]
 
@@ -26,7 +28,7 @@ _BUFFERS_ARG = ("forward_sync_buffers"
 
 
 @attrs.frozen(repr=False)
-class Replicate(Transform):
+class Replicate(Distribution):
     """See :func:`replicate`."""
 
     bucket_mb: float = 25
@@ -34,8 +36,13 @@ class Replicate(Transform):
     static_graph: bool = False
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True
-    stage: ClassVar[Stage] = Stage.DISTRIBUTION
     factory_name: ClassVar[str] = "replicate"
+
+    def engine(self, env: Env, plan: Plan) -> Engine:
+        """The engine this transform puts in the bundle (settings only, nothing is built)."""
+        if not env.is_distributed:
+            return LocalEngine()
+        return DDPEngine(world_size=env.world_size, static_graph=self.static_graph)
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
@@ -62,7 +69,7 @@ class Replicate(Transform):
             **buffers,
         )
         rebind_optimizer(bundle.optimizer, names, wrapped)
-        return attrs.evolve(bundle, model=wrapped)
+        return attrs.evolve(bundle, model=wrapped, engine=self.engine(env, bundle.plan))
 
     def describe(self, env: Env) -> str:
         if not env.is_distributed:

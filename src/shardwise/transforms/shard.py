@@ -10,15 +10,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise import precision
 from shardwise._params import param_names, rebind_optimizer, refuse_state
 from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
+from shardwise.engines import Engine, FSDPEngine, LocalEngine
 from shardwise.env import Env
 from shardwise.errors import ConflictError, EnvError
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
+from shardwise.plan import Plan
 from shardwise.policies import Policy, auto, check_policy, select
-from shardwise.transforms.base import Stage, Transform
-from shardwise.transforms.mixed_precision import fsdp_policy
+from shardwise.transforms.base import Distribution
 
 __all__ = ["Shard", "shard"]
 
@@ -40,7 +42,7 @@ def build_mesh(env: Env, replicate_across_nodes: bool) -> DeviceMesh:
 
 
 @attrs.frozen(repr=False)
-class Shard(Transform):
+class Shard(Distribution):
     """See :func:`shard`."""
 
     policy: Policy = attrs.field(factory=auto)
@@ -48,12 +50,19 @@ class Shard(Transform):
     mesh: DeviceMesh | None = None
     replicate_across_nodes: bool = False
     sync_each_batch: bool = False
-    stage: ClassVar[Stage] = Stage.DISTRIBUTION
     factory_name: ClassVar[str] = "shard"
 
+    def engine(self, env: Env, plan: Plan) -> Engine:
+        """The engine this transform puts in the bundle (settings only, nothing is built)."""
+        if not env.is_distributed:
+            return LocalEngine()
+        ranks = env.local_world_size if self.replicate_across_nodes else env.world_size
+        return FSDPEngine(world_size=env.world_size, shard_ranks=ranks, policy=self.policy,
+                          reshard_after_forward=self.reshard_after_forward,
+                          sync_each_batch=self.sync_each_batch, offload=plan.offload)
+
     def __call__(self, bundle: Bundle) -> Bundle:
-        bundle = self._record(bundle, autocast=not bundle.env.is_distributed,
-                              sync_each_batch=self.sync_each_batch)
+        bundle = self._record(bundle)
         env, model, plan = bundle.env, bundle.model, bundle.plan
         if not env.is_distributed:
             return bundle
@@ -72,7 +81,7 @@ class Shard(Transform):
                                   if plan.offload else OffloadPolicy())
         options: dict[str, Any] = dict(
             mesh=self.mesh or build_mesh(env, self.replicate_across_nodes),
-            mp_policy=fsdp_policy(plan.precision), offload_policy=offload)
+            mp_policy=precision.fsdp_policy(plan.precision), offload_policy=offload)
         for _, block in blocks:  # bottom-up: deepest first, then the root
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         # the root is needed again as soon as backward starts: keeping it gathered saves an
@@ -81,7 +90,7 @@ class Shard(Transform):
         if from_rank0:
             materialise_from_rank0(model, env, full)
         rebind_optimizer(bundle.optimizer, names, model)
-        return bundle
+        return attrs.evolve(bundle, engine=self.engine(env, plan))
 
     def describe(self, env: Env) -> str:
         if not env.is_distributed:

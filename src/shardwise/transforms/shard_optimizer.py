@@ -7,12 +7,11 @@ import inspect
 from typing import Any, ClassVar
 
 import attrs
-from torch.nn.parallel import DistributedDataParallel
 
 from shardwise._params import refuse_state
 from shardwise.bundle import Bundle
 from shardwise.env import Env
-from shardwise.errors import ConflictError, OptimizerError
+from shardwise.errors import OptimizerError
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["ShardOptimizer", "shard_optimizer"]
@@ -32,11 +31,7 @@ class ShardOptimizer(Transform):
             return bundle
         if optimizer is None:
             raise OptimizerError(f"{self!r} needs an optimizer: pass one to the pipeline call")
-        if not isinstance(bundle.model, DistributedDataParallel):
-            raise ConflictError(
-                f"{self!r} shards the optimizer of a replicated model; the model is a "
-                f"{type(bundle.model).__name__}. Use it with sw.replicate() (shard() already "
-                "shards optimizer state)")
+        bundle.engine.with_sharded_optimizer(None)  # refuses an engine that does not replicate
         refuse_state(optimizer)
         # imported here: torch.distributed.optim warns about torch.jit when imported
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -45,7 +40,7 @@ class ShardOptimizer(Transform):
         accepted = inspect.signature(type(optimizer)).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
         engine = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
-        return attrs.evolve(bundle, sharded_optimizer=engine)
+        return attrs.evolve(bundle, engine=bundle.engine.with_sharded_optimizer(engine))
 
     def describe(self, env: Env) -> str:
         if not env.is_distributed:

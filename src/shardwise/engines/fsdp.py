@@ -1,0 +1,110 @@
+# FSDPEngine: parameters, gradients and optimizer state sharded by FSDP2 (also HSDP and offload).
+"""The ``shard()`` engine."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import attrs
+import torch
+from torch import nn
+
+from shardwise.engines.base import Engine, MemoryParts, NoSync, state_bytes
+from shardwise.env import Env
+from shardwise.policies import Policy, select
+from shardwise.state import TrainState
+
+__all__ = ["FSDPEngine", "shard_numel"]
+
+
+def shard_numel(param: torch.Tensor, ranks: int) -> int:
+    """Elements of the largest shard of ``param`` when FSDP2 splits dim 0 over ``ranks``."""
+    if param.ndim == 0:
+        return 1
+    rest = param.numel() // max(param.shape[0], 1)
+    return math.ceil(param.shape[0] / ranks) * rest
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+@attrs.frozen
+class FSDPEngine(Engine):
+    """FSDP2 ``fully_shard`` over ``shard_ranks`` ranks (of ``world_size``; fewer for HSDP).
+
+    Attributes:
+        world_size: all ranks; gradients arrive averaged over them.
+        shard_ranks: the ranks each tensor is split over.
+        policy: the blocks sharded separately (for the memory estimate).
+        reshard_after_forward: free gathered block parameters after forward (ZeRO-3).
+        sync_each_batch: reduce-scatter every micro-batch of a window.
+        offload: sharded state kept in host memory (``CPUOffloadPolicy``).
+    """
+
+    world_size: int
+    shard_ranks: int
+    policy: Policy
+    reshard_after_forward: bool = True
+    sync_each_batch: bool = False
+    offload: bool = False
+    name: ClassVar[str] = "FSDP2"
+    casts_parameters: ClassVar[bool] = True
+    places_parameters: ClassVar[bool] = True
+
+    def gradient_ranks(self, env: Env) -> int:
+        return self.world_size
+
+    def no_sync(self, model: nn.Module, state: TrainState) -> NoSync | None:
+        if self.sync_each_batch:
+            return None
+        return functools.partial(_without_gradient_sync, model)
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+    def full(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+    def memory(self, model: nn.Module, env: Env, *, trained: set[int],
+               optimizer_layout: tuple[float, float], precision_bytes: int,
+               accumulating: bool) -> MemoryParts:
+        ranks = self.shard_ranks
+        # without sync_each_batch, unsharded gradients accumulate between reductions
+        params, grads, opt = state_bytes(
+            model, trained, optimizer_layout, numel=lambda p: shard_numel(p, ranks),
+            full_grads=accumulating and not self.sync_each_batch)
+        layout = f"shard over {ranks} ranks"
+        if self.offload and env.device.type != "cpu":
+            # sharded parameters, gradients and the optimizer live on the host
+            params, grads, opt = 0, 0, 0
+            layout += " + CPU offload"
+        return MemoryParts(params, grads, opt, self._working_bytes(model, precision_bytes), layout)
+
+    def _working_bytes(self, model: nn.Module, precision_bytes: int) -> int:
+        """Parameters gathered for compute: the root's and the blocks in flight."""
+        blocks = [m for _, m in select(self.policy, model, user="estimate_memory")]
+        block_numel = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+        gathered = (2 * max(block_numel, default=0) if self.reshard_after_forward
+                    else sum(block_numel))
+        return (root + gathered) * precision_bytes
+
+    def describe(self, env: Env) -> str:
+        return f"FSDP2 over {self.shard_ranks} of {self.world_size} ranks"

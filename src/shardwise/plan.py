@@ -1,0 +1,45 @@
+# Plan: the settings the settings-stage transforms record and later stages and the step read.
+"""The plan inside every bundle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from shardwise.precision import Precision
+from shardwise.state import OnNonFinite
+
+__all__ = ["Plan", "LossFn"]
+
+#: ``loss_fn(model, batch)`` returns a scalar loss, or ``(loss_sum, num_items)``.
+LossFn = Callable[[torch.nn.Module, Any], Any]
+
+
+@attrs.frozen
+class Plan:
+    """Settings recorded by the settings-stage transforms and read by later stages and the step.
+
+    How a setting is carried out belongs to the engine the distribution transform chose
+    (``Bundle.engine``), not to the plan: e.g. bf16 is autocast under DDP and parameter
+    casting under FSDP2.
+
+    Attributes:
+        precision: compute precision of the forward ("fp32", "bf16", "fp16").
+        accumulation_steps: micro-batches per optimizer step.
+        max_grad_norm: clip the total gradient norm to this, or ``None``.
+        norm_type: the p of the p-norm used for clipping.
+        on_nonfinite: what a NaN/inf loss or gradient does in fp32/bf16.
+        offload: parameters, gradients and the optimizer step live on the CPU (needs shard).
+        applied: the transforms applied so far, in order.
+    """
+
+    precision: Precision = "fp32"
+    accumulation_steps: int = 1
+    max_grad_norm: float | None = None
+    norm_type: float = 2.0
+    on_nonfinite: OnNonFinite = "raise"
+    offload: bool = False
+    applied: tuple[Any, ...] = ()

@@ -1,0 +1,41 @@
+# Fixtures and helpers shared by the test modules (importable from spawned ranks: `conftest`).
+import pytest
+import torch
+
+import shardwise as sw
+
+#: one process on the CPU, whatever this machine has
+ONE = sw.Env()
+
+
+def token_loss(model, batch):
+    """Sum of cross-entropy over labelled tokens (computed in fp32), and their count."""
+    logits = model(batch["input_ids"])["logits"]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
+                                             ignore_index=-100, reduction="sum")
+    return loss, (batch["labels"] != -100).sum()
+
+
+def masked_micro_batches(count=3, size=2, seq=10, vocab=32, seed=0):
+    """``count`` token micro-batches whose labels are masked unevenly (different item counts)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (count * size, seq), generator=gen)
+    labels = ids.roll(-1, 1).clone()
+    labels[torch.rand(labels.shape, generator=gen) < 0.5] = -100
+    return [{"input_ids": ids[i:i + size], "labels": labels[i:i + size]}
+            for i in range(0, count * size, size)]
+
+
+def train_steps(bundle, state, batches):
+    """Step ``bundle`` over ``batches`` from ``state``; the final state and every output."""
+    outputs = []
+    for batch in batches:
+        state, out = bundle.step(state, batch)
+        outputs.append(out)
+    return state, outputs
+
+
+@pytest.fixture
+def one():
+    """The one-process CPU env."""
+    return ONE

@@ -1,0 +1,79 @@
+# The shape of the package: no import cycles, test helpers out of production imports.
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import shardwise
+
+SRC = Path(shardwise.__file__).parent
+
+
+def module_name(path):
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path, modules):
+    """The shardwise modules ``path`` imports, at the top or inside functions alike (imports
+    under ``if TYPE_CHECKING:`` run no code and are not counted)."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    found = set()
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            # `from a import b` imports the module a.b when there is one, else a name of a
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                     for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in modules}
+    return found
+
+
+def test_no_import_cycles_in_the_package():
+    files = {module_name(p): p for p in SRC.rglob("*.py")}
+    graph = {name: imports_of(path, files) - {name} for name, path in files.items()}
+    # a package imports its own __init__ first: count an import of a.b.c as one of a.b too
+    for name in list(graph):
+        for dep in list(graph[name]):
+            parent = dep.rpartition(".")[0]
+            while parent and parent != name and not name.startswith(parent + "."):
+                graph[name].add(parent)
+                parent = parent.rpartition(".")[0]
+        graph[name] = {d for d in graph[name] if d in files and d != name}
+    cycles, state = [], {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycles.append(path[path.index(dep):] + [dep] if dep in path else [node, dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_nothing_in_production_imports_the_test_helpers():
+    files = {module_name(p): p for p in SRC.rglob("*.py")}
+    users = sorted(n for n, p in files.items() if n != "shardwise.testing"
+                   and "shardwise.testing" in imports_of(p, files))
+    assert users == []
+    code = "import sys, shardwise; print('shardwise.testing' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -12,27 +12,29 @@ import torch
 from shardwise._params import refuse_state
 from shardwise.bundle import Bundle
 from shardwise.choice import SAFE_FRACTION, choose_distribution, sample_batch
+from shardwise.configs import ConfigResult, read_config
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env, detect
 from shardwise.errors import ConflictError
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, check_on_nonfinite
-from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.base import Stage, Transform, check_combination
 from shardwise.transforms.distribute_data import DistributeData, distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
-from shardwise.transforms.offload import Offload
 from shardwise.transforms.place import Place, place
-from shardwise.transforms.shard import Shard
-from shardwise.transforms.shard_optimizer import ShardOptimizer
 
-__all__ = ["Pipeline", "pipeline"]
+__all__ = ["Pipeline", "pipeline", "Step", "Origin", "assemble"]
+
+#: Where a step of a pipeline came from: the code, a default, or a config file.
+Origin = Literal["user", "default", "config"]
 
 
 @attrs.frozen
 class Step:
-    """One transform of a pipeline and, when the pipeline chose it, the reason."""
+    """One transform of a pipeline, where it came from, and why (shown by ``explain()``)."""
 
     transform: Transform
+    origin: Origin = "user"
     reason: str | None = None
 
 
@@ -41,39 +43,17 @@ def _defaults(env: Env, given: list[Transform]) -> list[Step]:
     chosen: list[Step] = []
     if not any(isinstance(t, MixedPrecision) for t in given):
         if env.device.type == "cuda" and "bf16" in env.precisions:
-            chosen.append(Step(mixed_precision("bf16"),
+            chosen.append(Step(mixed_precision("bf16"), "default",
                                f"default: {env.device} computes bf16 natively"))
         else:
-            chosen.append(Step(mixed_precision("fp32"),
+            chosen.append(Step(mixed_precision("fp32"), "default",
                                f"default: {env.device} has no fast native bf16"))
     if not any(isinstance(t, Place) for t in given):
-        chosen.append(Step(place(), "always"))
+        chosen.append(Step(place(), "default"))
     if not any(isinstance(t, DistributeData) for t in given):
-        chosen.append(Step(distribute_data(), "default: applies when a loader is passed"))
+        chosen.append(Step(distribute_data(), "default",
+                           "default: applies when a loader is passed"))
     return chosen
-
-
-def _check(parts: list[Transform], env: Env) -> None:
-    seen: dict[type, Transform] = {}
-    for part in parts:
-        if type(part) in seen:
-            raise ConflictError(f"{seen[type(part)]!r} and {part!r} are the same transform "
-                                "given twice; keep one, with the settings you want")
-        seen[type(part)] = part
-    distribution = [p for p in parts if p.stage == Stage.DISTRIBUTION]
-    if len(distribution) > 1:
-        raise ConflictError(f"{distribution[0]!r} and {distribution[1]!r} both distribute the "
-                            "model; a pipeline takes at most one distribution transform")
-    for part in parts:
-        if isinstance(part, MixedPrecision):
-            part.check(env)
-        if isinstance(part, ShardOptimizer) and any(isinstance(p, Shard) for p in parts):
-            shard_part = next(p for p in parts if isinstance(p, Shard))
-            raise ConflictError(f"{part!r} and {shard_part!r}: shard() already shards optimizer "
-                                "state; use shard_optimizer() with replicate(), or drop it")
-        if isinstance(part, Offload) and part.cpu and not any(isinstance(p, Shard) for p in parts):
-            raise ConflictError(f"{part!r} needs shard(): FSDP2 carries out the offload. Add "
-                                "sw.shard() to the pipeline, or remove offload()")
 
 
 @attrs.frozen
@@ -118,7 +98,7 @@ class Pipeline:
             batch = sample_batch(loader)
         given = [s.transform for s in self.steps]
         extra, reason = choose_distribution(self.env, given, model, optimizer, batch)
-        steps = [*self.steps, *(Step(t, reason) for t in extra)]
+        steps = [*self.steps, *(Step(t, "default", reason) for t in extra)]
         steps.sort(key=lambda s: s.transform.stage)
         return attrs.evolve(self, steps=tuple(steps), choose_distribution=False)
 
@@ -140,7 +120,7 @@ class Pipeline:
                  f"rank {env.rank}, device {env.device}, backend {env.backend}"]
         for i, step in enumerate(self.steps, 1):
             t = step.transform
-            why = f"  [{step.reason}]" if step.reason and step.reason != "always" else ""
+            why = f"  [{step.reason}]" if step.reason else ""
             lines.append(f"  {i}. {t.stage.name.lower():<12} {t!r}{why}")
             lines.append(f"     {'':<12} -> {t.describe(env)}")
         if self.choose_distribution:
@@ -211,32 +191,37 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
                             "pass one")
     check_on_nonfinite(on_nonfinite, "pipeline()")
     env = envs[0] if envs else detect()
-    configured, notes = _from_config_file(env, transforms)
-    transforms = [*configured, *transforms]
-    _check(transforms, env)
-    reason = f"from config {env.config_path}"
-    steps = [Step(t, reason if t in configured else None) for t in transforms]
+    if not env.config_path:
+        return assemble(env, transforms, None, on_nonfinite=on_nonfinite)
+    note = (f"config {env.config_path} applied; transforms given in code take precedence "
+            "over it")
+    return assemble(env, transforms, read_config(env.config_path, env=env),
+                    on_nonfinite=on_nonfinite, reason=f"from config {env.config_path}",
+                    notes=(note,))
+
+
+def assemble(env: Env, given: list[Transform], config: ConfigResult | None, *,
+             on_nonfinite: OnNonFinite = "raise", reason: str | None = None,
+             notes: tuple[str, ...] = ()) -> Pipeline:
+    """The pipeline of ``given`` (the code's transforms) and ``config``'s, whose transforms
+    are added unless the code sets the same kind (or another distribution) itself; then the
+    defaults. Every rule between them is checked once, here.
+    """
+    configured: list[Transform] = []
+    if config is not None:
+        kinds = {type(t) for t in given}
+        distributes = any(t.stage == Stage.DISTRIBUTION for t in given)
+        configured = [t for t in config.transforms if type(t) not in kinds
+                      and not (distributes and t.stage == Stage.DISTRIBUTION)]
+        notes = (*config.notices, *notes)
+        reason = reason or config.reason
+    transforms = [*configured, *given]
+    check_combination(transforms)
+    for transform in transforms:
+        transform.check(env)
+    steps = [*(Step(t, "config", reason) for t in configured), *(Step(t) for t in given)]
     steps += _defaults(env, transforms)
     steps.sort(key=lambda s: s.transform.stage)  # stable: user order kept within a stage
     choose = env.is_distributed and not any(t.stage == Stage.DISTRIBUTION for t in transforms)
     return Pipeline(env=env, steps=tuple(steps), on_nonfinite=on_nonfinite,
                     choose_distribution=choose, notes=notes)
-
-
-def _from_config_file(env: Env, given: list[Transform]) -> tuple[list[Transform], tuple[str, ...]]:
-    """The transforms of the config file handed over in ``env.config_path`` (by
-    ``shardwise launch``) that the code does not set itself, and the config's notices."""
-    if not env.config_path:
-        return [], ()
-    from shardwise.configs import from_config
-
-    configured = from_config(env.config_path, env=env)
-    kinds = {type(t) for t in given}
-    distributes = any(t.stage == Stage.DISTRIBUTION for t in given)
-    chosen = [s.transform for s in configured.steps
-              if s.reason and s.reason.startswith("from ")
-              and type(s.transform) not in kinds
-              and not (distributes and s.transform.stage == Stage.DISTRIBUTION)]
-    note = (f"config {env.config_path} applied; transforms given in code take precedence "
-            "over it")
-    return chosen, (*configured.notes, note)

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from shardwise.cli.launch import default_config_path
-    from shardwise.configs import from_config
+    from shardwise.configured import from_config
     from shardwise.env import Env
 
     config = _defaults()

@@ -1,9 +1,8 @@
-# from_config / from_ddp_args: Accelerate YAML, DeepSpeed JSON, Transformers FSDP and DDP settings.
-"""Pipelines from the config files users already have.
+# read_config / ddp_settings: Accelerate YAML, DeepSpeed JSON, Transformers FSDP and DDP settings.
+"""Config readers: each turns the config a user already has into transforms and notices.
 
-Example:
-    >>> pipe = sw.from_config("default_config.yaml")
-    >>> print(pipe.explain())
+Readers build no pipeline: :func:`shardwise.from_config` and :func:`shardwise.pipeline`
+(for a config handed over by ``shardwise launch``) take their transforms.
 """
 
 from __future__ import annotations
@@ -22,11 +21,34 @@ from shardwise.configs.fsdp import KEYS as FSDP_KEYS
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env, detect
 from shardwise.errors import ConfigError
-from shardwise.pipeline import Pipeline, pipeline
 from shardwise.transforms.base import Transform
 from shardwise.transforms.replicate import replicate
 
-__all__ = ["from_config", "from_ddp_args"]
+__all__ = ["ConfigResult", "read_config", "ddp_settings"]
+
+
+@attrs.frozen
+class ConfigResult:
+    """What a config file means here.
+
+    Attributes:
+        transforms: the transforms it asks for.
+        notices: one line per key with no meaning here (also logged).
+        origin: the file's path, or ``<mapping>``.
+        kind: ``"accelerate"``, ``"deepspeed"`` or ``"fsdp"``.
+        env: the env it runs under (``use_cpu: true`` puts it on the CPU).
+    """
+
+    transforms: tuple[Transform, ...]
+    notices: tuple[str, ...]
+    origin: str
+    kind: str
+    env: Env
+
+    @property
+    def reason(self) -> str:
+        """How ``explain()`` names where these transforms came from."""
+        return f"from {self.kind} config {self.origin}"
 
 
 def _kind(src: Source) -> str:
@@ -44,28 +66,13 @@ def _kind(src: Source) -> str:
                       "config (zero_optimization, ...) or a Transformers fsdp_config")
 
 
-def _explained(env: Env, transforms: list[Transform], src: Source, kind: str) -> Pipeline:
-    pipe = pipeline(attrs.evolve(env, config_path=None), *transforms)  # not the config again
-    reason = f"from {kind} config {src.origin}"
-    steps = tuple(s if s.reason else type(s)(s.transform, reason) for s in pipe.steps)
-    return Pipeline(env=env, steps=steps, on_nonfinite=pipe.on_nonfinite,
-                    choose_distribution=pipe.choose_distribution, notes=tuple(src.notices))
+def read_config(source: str | Path | Mapping[str, Any], *, env: Env | None = None) -> ConfigResult:
+    """The transforms and notices of an Accelerate YAML, a DeepSpeed JSON or a Transformers
+    ``fsdp_config``, recognised from the content.
 
-
-def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = None) -> Pipeline:
-    """A pipeline from an Accelerate YAML, a DeepSpeed JSON or a Transformers ``fsdp_config``.
-
-    The format is recognised from the content. Unknown keys, wrong types and impossible or
-    contradictory values raise :class:`~shardwise.errors.ConfigError` naming the file, the
-    key, the value and what is accepted; keys with no meaning here give one notice each
-    (logged, and listed by ``explain()``).
-
-    Args:
-        source: a path (YAML or JSON) or a mapping.
-        env: the env; by default :func:`shardwise.detect` (``use_cpu: true`` forces the CPU).
-
-    Example:
-        >>> pipe = sw.from_config("ds_config.json")
+    Raises:
+        ConfigError: unknown keys, wrong types, impossible or contradictory values, naming
+            the file, the key, the value and what is accepted.
     """
     src = load_source(source)
     kind = _kind(src)
@@ -77,21 +84,17 @@ def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = Non
         transforms = deepspeed_transforms(src, env)[0]
     else:
         transforms = fsdp_transforms(src, src.data)
-    return _explained(env, transforms, src, kind)
+    return ConfigResult(tuple(transforms), tuple(src.notices), src.origin, kind, env)
 
 
 _BACKENDS = ("nccl", "gloo", "mpi", "ccl", "xccl", "hccl")
 
 
-def from_ddp_args(*, ddp_backend: str | None = None,
-                  ddp_find_unused_parameters: bool | None = None,
-                  ddp_bucket_cap_mb: float | None = None, ddp_timeout: float | None = None,
-                  ddp_broadcast_buffers: bool | None = None, env: Env | None = None) -> Pipeline:
-    """A ``replicate()`` pipeline from Transformers' ``TrainingArguments`` DDP settings.
-
-    Example:
-        >>> pipe = sw.from_ddp_args(ddp_bucket_cap_mb=50, ddp_timeout=7200)
-    """
+def ddp_settings(*, ddp_backend: str | None = None,
+                 ddp_find_unused_parameters: bool | None = None,
+                 ddp_bucket_cap_mb: float | None = None, ddp_timeout: float | None = None,
+                 ddp_broadcast_buffers: bool | None = None) -> tuple[dict[str, Any], Transform]:
+    """Transformers' DDP arguments as (Env overrides, the ``replicate()`` they mean)."""
     overrides: dict[str, Any] = {}
     if ddp_backend is not None:
         if ddp_backend not in _BACKENDS:
@@ -100,10 +103,6 @@ def from_ddp_args(*, ddp_backend: str | None = None,
         overrides["backend"] = ddp_backend
     if ddp_timeout is not None:
         overrides["timeout"] = datetime.timedelta(seconds=ddp_timeout)
-    if env is None:
-        env = detect(**overrides)
-    elif overrides:
-        env = attrs.evolve(env, **overrides)
     options: dict[str, Any] = {}
     if ddp_find_unused_parameters is not None:
         options["find_unused_parameters"] = ddp_find_unused_parameters
@@ -111,4 +110,4 @@ def from_ddp_args(*, ddp_backend: str | None = None,
         options["bucket_mb"] = ddp_bucket_cap_mb
     if ddp_broadcast_buffers is not None:
         options["broadcast_buffers"] = ddp_broadcast_buffers
-    return pipeline(env, replicate(**options))
+    return overrides, replicate(**options)

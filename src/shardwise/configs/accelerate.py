@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.configs._read import Source
-from shardwise.configs.deepspeed import deepspeed_transforms, stage_transforms
+from shardwise.configs.deepspeed import clipping, deepspeed_transforms, stage_transforms
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.accumulate_gradients import accumulate_gradients
 from shardwise.transforms.base import Transform
-from shardwise.transforms.clip_gradients import ClipGradients, clip_gradients
+from shardwise.transforms.clip_gradients import ClipGradients
 from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
 from shardwise.transforms.replicate import replicate
 
@@ -76,13 +76,7 @@ def _deepspeed_block(src: Source, block: dict[str, Any], env: Env) -> list[Trans
                         block.get("gradient_accumulation_steps", 1), 1)
     if steps > 1:
         out.append(accumulate_gradients(steps))
-    clip = block.get("gradient_clipping")
-    if clip is not None and clip != "auto":
-        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
-            raise src.fail("deepspeed_config.gradient_clipping", clip, "a number >= 0")
-        if clip > 0:
-            out.append(clip_gradients(float(clip)))
-    return out
+    return out + clipping(src, "deepspeed_config.gradient_clipping", block.get("gradient_clipping"))
 
 
 def accelerate_transforms(src: Source, env: Env) -> list[Transform]:

@@ -59,6 +59,25 @@ def _auto(src: Source, key: str, value: Any) -> bool:
     return False
 
 
+def clipping(src: Source, key: str, value: Any) -> list[Transform]:
+    """DeepSpeed's ``gradient_clipping`` (0 turns it off) as transforms."""
+    if value is None or _auto(src, key, value):
+        return []
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise src.fail(key, value, "a number >= 0")
+    return [clip_gradients(float(value))] if value > 0 else []
+
+
+def check_total(origin: str, total: int | None, micro: int | None, steps: int, world: int,
+                micro_name: str) -> None:
+    """DeepSpeed's rule: train batch = micro batch x accumulation steps x world size."""
+    if total is not None and micro is not None and total != micro * steps * world:
+        raise ConfigError(
+            f"{origin}: train_batch_size={total} must equal {micro_name} ({micro}) x "
+            f"gradient_accumulation_steps ({steps}) x world size ({world}) = "
+            f"{micro * steps * world}")
+
+
 def deepspeed_transforms(src: Source, env: Env) -> tuple[list[Transform], int | None]:
     """Transforms for a DeepSpeed JSON config, and its accumulation steps (None if unset)."""
     cfg = src.data
@@ -96,12 +115,7 @@ def deepspeed_transforms(src: Source, env: Env) -> tuple[list[Transform], int | 
         steps = src.integer("gradient_accumulation_steps", value, 1)
         if steps > 1:
             out.append(accumulate_gradients(steps))
-    clip = cfg.get("gradient_clipping")
-    if clip is not None and not _auto(src, "gradient_clipping", clip):
-        if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
-            raise src.fail("gradient_clipping", clip, "a number >= 0")
-        if clip > 0:
-            out.append(clip_gradients(float(clip)))
+    out += clipping(src, "gradient_clipping", cfg.get("gradient_clipping"))
     check = _check_batch(src, cfg, steps or 1, env)
     if check is not None:
         out.append(check)
@@ -128,13 +142,8 @@ class BatchCheck(Transform):
             raise ConfigError(f"{self.origin}: train_micro_batch_size_per_gpu={self.micro} but "
                               f"the loader's batch_size is {size}; make them equal or set "
                               "it to \"auto\"")
-        world = bundle.env.world_size
-        if self.total is not None and micro is not None and \
-                self.total != micro * self.steps * world:
-            raise ConfigError(
-                f"{self.origin}: train_batch_size={self.total} must equal the micro batch "
-                f"({micro}) x gradient_accumulation_steps ({self.steps}) x world size "
-                f"({world}) = {micro * self.steps * world}")
+        check_total(self.origin, self.total, micro, self.steps, bundle.env.world_size,
+                    "the micro batch")
         return bundle
 
     def describe(self, env: Env) -> str:
@@ -150,9 +159,5 @@ def _check_batch(src: Source, cfg: dict[str, Any], steps: int, env: Env) -> Batc
     total = None if total in (None, "auto") else src.integer("train_batch_size", total, 1)
     micro = None if micro in (None, "auto") else src.integer(
         "train_micro_batch_size_per_gpu", micro, 1)
-    if total is not None and micro is not None and total != micro * steps * env.world_size:
-        raise ConfigError(
-            f"{src.origin}: train_batch_size={total} must equal train_micro_batch_size_per_gpu"
-            f" ({micro}) x gradient_accumulation_steps ({steps}) x world size "
-            f"({env.world_size}) = {micro * steps * env.world_size}")
+    check_total(src.origin, total, micro, steps, env.world_size, "train_micro_batch_size_per_gpu")
     return BatchCheck(src.origin, micro, total, steps)

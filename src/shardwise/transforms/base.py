@@ -15,7 +15,7 @@ from shardwise.env import Env
 from shardwise.errors import ConflictError
 from shardwise.plan import Plan
 
-__all__ = ["Stage", "Transform", "Distribution", "plan_of"]
+__all__ = ["Stage", "Transform", "Distribution", "plan_of", "check_combination"]
 
 
 class Stage(enum.IntEnum):
@@ -47,6 +47,18 @@ class Transform:
         """One line saying what this transform will do under ``env``."""
         return repr(self)
 
+    def check(self, env: Env) -> None:
+        """Raise if this transform cannot run under ``env`` (checked when the pipeline is
+        built and again when the transform is applied)."""
+
+    def needs(self) -> dict[str, str]:
+        """Factory names of transforms this one needs beside it, each with what to do."""
+        return {}
+
+    def excludes(self) -> dict[str, str]:
+        """Factory names of transforms this one cannot be combined with, each with why."""
+        return {}
+
     def record(self, plan: Plan) -> Plan:
         """``plan`` with this transform's settings recorded (only settings-stage transforms
         record any); pure, so a pipeline's plan is known before it is applied."""
@@ -61,20 +73,19 @@ class Transform:
         """A new bundle whose plan records this transform (:meth:`record`, and ``applied``).
 
         Raises:
-            ConflictError: a transform of the same kind was applied to this bundle already,
-                or one of a later stage (the canonical order is checked here).
+            ConflictError: one of a later stage was applied already (the canonical order is
+                checked here), or :func:`check_combination` refuses the combination.
         """
-        for earlier in bundle.plan.applied:
-            if type(earlier) is type(self):
-                raise ConflictError(
-                    f"{self!r} cannot be applied: {earlier!r} was applied to this bundle "
-                    "already; apply each transform once, with the settings you want")
+        applied = bundle.plan.applied
+        for earlier in applied:
             if earlier.stage > self.stage:
                 order = ", ".join(s.name.lower() for s in Stage)
                 raise ConflictError(
                     f"{self!r} ({self.stage.name.lower()}) cannot be applied after {earlier!r} "
                     f"({earlier.stage.name.lower()}): transforms apply in the order {order}; "
                     "apply it first, or let sw.pipeline(...) order them")
+        check_combination([*applied, self], applied=True)
+        self.check(bundle.env)
         plan = attrs.evolve(self.record(bundle.plan), applied=(*bundle.plan.applied, self))
         return attrs.evolve(bundle, plan=plan)
 
@@ -101,3 +112,37 @@ def factory_repr(name: str, obj: object) -> str:
     """``name(field=value, ...)`` for an attrs instance: the repr of the public factory call."""
     args = ", ".join(f"{f.name}={getattr(obj, f.name)!r}" for f in attrs.fields(type(obj)))  # type: ignore[arg-type]
     return f"{name}({args})"
+
+
+def check_combination(parts: list[Transform], *, applied: bool = False) -> None:
+    """The one place the rules between transforms are checked: each kind at most once, at
+    most one distribution transform, and each transform's :meth:`~Transform.excludes` and
+    :meth:`~Transform.needs`. ``applied``: ``parts`` were applied to a bundle by hand, in
+    order (needs are checked once the distribution stage has passed).
+
+    Raises:
+        ConflictError: naming both parts and what to do.
+    """
+    seen: dict[type, Transform] = {}
+    for part in parts:
+        earlier = seen.setdefault(type(part), part)
+        if earlier is not part:
+            where = (f"{earlier!r} was applied to this bundle already" if applied
+                     else "the same transform given twice")
+            raise ConflictError(f"{earlier!r} and {part!r}: {where}; keep one, with the "
+                                "settings you want")
+    distribution = [p for p in parts if p.stage == Stage.DISTRIBUTION]
+    if len(distribution) > 1:
+        raise ConflictError(f"{distribution[0]!r} and {distribution[1]!r} both distribute the "
+                            "model; a pipeline takes at most one distribution transform")
+    by_name = {type(p).factory_name: p for p in parts}
+    for part in parts:
+        for name, why in part.excludes().items():
+            if name in by_name:
+                raise ConflictError(f"{part!r} and {by_name[name]!r}: {why}")
+    if applied and not any(p.stage > Stage.DISTRIBUTION for p in parts):
+        return
+    for part in parts:
+        for name, why in part.needs().items():
+            if name not in by_name:
+                raise ConflictError(f"{part!r} needs {name}(): {why}")

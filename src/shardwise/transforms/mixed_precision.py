@@ -31,9 +31,9 @@ class MixedPrecision(Transform):
                          part=repr(self))
 
     def __call__(self, bundle: Bundle) -> Bundle:
-        self.check(bundle.env)
+        bundle = self._record(bundle)  # checks the precision against the env
         scaler = precisions.grad_scaler(self.precision, bundle.env.device)
-        return attrs.evolve(self._record(bundle), scaler=scaler)
+        return attrs.evolve(bundle, scaler=scaler)
 
     def record(self, plan: Plan) -> Plan:
         return attrs.evolve(plan, precision=self.precision)

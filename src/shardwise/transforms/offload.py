@@ -23,6 +23,12 @@ class Offload(Transform):
     stage: ClassVar[Stage] = Stage.SETTINGS
     factory_name: ClassVar[str] = "offload"
 
+    def needs(self) -> dict[str, str]:
+        if not self.cpu:
+            return {}
+        return {"shard": "FSDP2 carries out the offload. Add sw.shard() to the pipeline, or "
+                         "remove offload()"}
+
     def __call__(self, bundle: Bundle) -> Bundle:
         return self._record(bundle)
 

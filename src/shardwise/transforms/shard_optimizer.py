@@ -24,6 +24,10 @@ class ShardOptimizer(Transform):
     stage: ClassVar[Stage] = Stage.OPTIMIZER
     factory_name: ClassVar[str] = "shard_optimizer"
 
+    def excludes(self) -> dict[str, str]:
+        return {"shard": "shard() already shards optimizer state; use shard_optimizer() with "
+                         "replicate(), or drop it"}
+
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         env, optimizer = bundle.env, bundle.optimizer

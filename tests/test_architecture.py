@@ -1,10 +1,17 @@
-# The shape of the package: no import cycles, test helpers out of production imports.
+# The shape of the package: no import cycles, test helpers out of production imports, the engine seam.
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
+import attrs
+import torch
+
 import shardwise
+import shardwise as sw
+from shardwise.engines import LocalEngine, MemoryParts
+from shardwise.testing import TinyMLP
+from shardwise.transforms.base import Distribution
 
 SRC = Path(shardwise.__file__).parent
 
@@ -77,3 +84,50 @@ def test_nothing_in_production_imports_the_test_helpers():
     code = "import sys, shardwise; print('shardwise.testing' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- the engine seam: a new engine is one engine class plus its transform -----------------
+
+CALLS = []
+
+
+@attrs.frozen
+class RecordingEngine(LocalEngine):
+    """One process, but it says what the step and the estimate asked of it."""
+
+    name = "recording"
+
+    def no_sync(self, model, state):
+        CALLS.append(("no_sync", state.micro_step))
+        return None
+
+    def memory(self, model, env, **kwargs):
+        CALLS.append(("memory", kwargs["accumulating"]))
+        return MemoryParts(1, 2, 3, 4, "recorded")
+
+
+@attrs.frozen(repr=False)
+class Recording(Distribution):
+    factory_name = "recording"
+
+    def engine(self, env, plan):
+        return RecordingEngine()
+
+    def __call__(self, bundle):
+        return attrs.evolve(self._record(bundle), engine=self.engine(bundle.env, bundle.plan))
+
+
+def test_a_new_engine_plugs_in_without_touching_the_step_or_the_estimate():
+    CALLS.clear()
+    pipe = sw.pipeline(sw.Env(), Recording(), sw.accumulate_gradients(2))
+    estimate = sw.estimate_memory(TinyMLP(), pipe)
+    assert (estimate.total_bytes, estimate.layout) == (10, "recorded")
+    model = TinyMLP()
+    bundle = pipe(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert isinstance(bundle.engine, RecordingEngine)
+    state = bundle.init()
+    for _ in range(4):
+        state, _ = bundle.step(state, (torch.randn(4, 8), torch.randn(4, 1)))
+    # asked before each micro-batch that does not end a window
+    assert CALLS == [("memory", True), ("no_sync", 0), ("no_sync", 2)]
+    assert state.step == 2

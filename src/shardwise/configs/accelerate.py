@@ -104,5 +104,5 @@ def accelerate_transforms(src: Source, env: Env) -> list[Transform]:
         raise ConfigError(f"{src.origin}: mixed_precision={precision.lower()!r} contradicts "
                           f"{given.precision!r} enabled in the DeepSpeed config; set it once")
     if precision != "NO" and given is None:
-        out.append(mixed_precision(precision.lower()))  # type: ignore[arg-type]
+        out.append(mixed_precision(precision.lower()))
     return out

@@ -48,21 +48,16 @@ def positive_number(instance: Any, attribute: attrs.Attribute[Any], value: Any) 
         raise ValueError(f"{_where(instance, attribute)} must be a number > 0 (got {value!r})")
 
 
-def _positive_float(value: Any, instance: Any, attribute: attrs.Attribute[Any]) -> float:
-    positive_number(instance, attribute, value)
+def positive_float(value: Any, factory: str, name: str) -> float:
+    """``value`` as a float if it is a number > 0 (checked first, so errors show the input)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{factory}() '{name}' must be a number > 0 (got {value!r})")
     return float(value)
 
 
-#: a number > 0, stored as a float (checked before it is converted, so errors show the input)
-positive_float = attrs.Converter(_positive_float, takes_self=True, takes_field=True)  # type: ignore[misc, call-overload]
-
-
-def _to_policy(value: Any, instance: Any, attribute: attrs.Attribute[Any]) -> Policy:
+def to_policy(value: Any, factory: str) -> Policy:
+    """A policy, ``None`` meaning :func:`shardwise.auto`."""
     if value is None:
         return auto()
-    check_policy(value, f"{type(instance).factory_name}()")
-    return value  # type: ignore[no-any-return]
-
-
-#: a policy, ``None`` meaning :func:`shardwise.auto`
-to_policy = attrs.Converter(_to_policy, takes_self=True, takes_field=True)  # type: ignore[misc, call-overload]
+    check_policy(value, f"{factory}()")
+    return value

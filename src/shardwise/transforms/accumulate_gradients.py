@@ -10,6 +10,7 @@ import attrs
 from shardwise.bundle import Bundle
 from shardwise.env import Env
 from shardwise.plan import Plan
+from shardwise.transforms._checks import integer_at_least_one
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["AccumulateGradients", "accumulate_gradients"]
@@ -17,24 +18,6 @@ __all__ = ["AccumulateGradients", "accumulate_gradients"]
 
 @attrs.frozen(repr=False)
 class AccumulateGradients(Transform):
-    """See :func:`accumulate_gradients`."""
-
-    steps: int
-    stage: ClassVar[Stage] = Stage.SETTINGS
-    factory_name: ClassVar[str] = "accumulate_gradients"
-
-    def __call__(self, bundle: Bundle) -> Bundle:
-        return self._record(bundle)
-
-    def record(self, plan: Plan) -> Plan:
-        return attrs.evolve(plan, accumulation_steps=self.steps)
-
-    def describe(self, env: Env) -> str:
-        sync = "; gradients synchronised on the last only" if env.is_distributed else ""
-        return f"optimizer steps every {self.steps} micro-batches{sync}"
-
-
-def accumulate_gradients(steps: int) -> AccumulateGradients:
     """Step the optimizer once every ``steps`` calls of ``bundle.step``.
 
     Each call is one micro-batch. Gradients are all-reduced only on the last micro-batch of
@@ -55,6 +38,21 @@ def accumulate_gradients(steps: int) -> AccumulateGradients:
     Example:
         >>> pipe = sw.pipeline(sw.accumulate_gradients(4))
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"accumulate_gradients() 'steps' must be an integer >= 1 (got {steps!r})")
-    return AccumulateGradients(steps)
+
+    steps: int = attrs.field(validator=integer_at_least_one)
+    stage: ClassVar[Stage] = Stage.SETTINGS
+    factory_name: ClassVar[str] = "accumulate_gradients"
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        return self._record(bundle)
+
+    def record(self, plan: Plan) -> Plan:
+        return attrs.evolve(plan, accumulation_steps=self.steps)
+
+    def describe(self, env: Env) -> str:
+        sync = "; gradients synchronised on the last only" if env.is_distributed else ""
+        return f"optimizer steps every {self.steps} micro-batches{sync}"
+
+
+#: the public factory: the class itself, so its defaults are written once
+accumulate_gradients = AccumulateGradients

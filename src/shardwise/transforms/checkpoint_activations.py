@@ -13,7 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from shardwise.bundle import Bundle
 from shardwise.env import Env
 from shardwise.errors import ConflictError
-from shardwise.policies import Policy, auto, check_policy, select
+from shardwise.policies import Policy, select
+from shardwise.transforms._checks import to_policy
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["CheckpointActivations", "checkpoint_activations"]
@@ -27,9 +28,21 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
 
 @attrs.frozen(repr=False)
 class CheckpointActivations(Transform):
-    """See :func:`checkpoint_activations`."""
+    """Recompute the activations of selected blocks during backward instead of storing them.
 
-    policy: Policy = attrs.field(factory=auto)
+    Applied before distribution (canonical order); works with ``shard``, ``replicate`` and
+    one process. Only each block's ``forward`` is wrapped, so parameter names (and so
+    checkpoints and exports) do not change. The module is changed in place.
+
+    Args:
+        policy: which blocks; default :func:`shardwise.auto`.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.checkpoint_activations(sw.by_class("LlamaDecoderLayer")))
+    """
+
+    policy: Policy = attrs.field(default=None,
+                                 converter=lambda value: to_policy(value, "checkpoint_activations"))
     stage: ClassVar[Stage] = Stage.SURGERY
     factory_name: ClassVar[str] = "checkpoint_activations"
 
@@ -49,20 +62,5 @@ class CheckpointActivations(Transform):
                 "(torch.utils.checkpoint, non-reentrant); parameter names unchanged")
 
 
-def checkpoint_activations(policy: Policy | None = None) -> CheckpointActivations:
-    """Recompute the activations of selected blocks during backward instead of storing them.
-
-    Applied before distribution (canonical order); works with ``shard``, ``replicate`` and
-    one process. Only each block's ``forward`` is wrapped, so parameter names (and so
-    checkpoints and exports) do not change. The module is changed in place.
-
-    Args:
-        policy: which blocks; default :func:`shardwise.auto`.
-
-    Example:
-        >>> pipe = sw.pipeline(sw.checkpoint_activations(sw.by_class("LlamaDecoderLayer")))
-    """
-    if policy is not None:
-        check_policy(policy, "checkpoint_activations()")
-    return CheckpointActivations(auto() if policy is None else policy)
-
+#: the public factory: the class itself, so its defaults are written once
+checkpoint_activations = CheckpointActivations

@@ -11,6 +11,7 @@ from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader, shard_loader
 from shardwise.env import Env
 from shardwise.errors import DataError
+from shardwise.transforms._checks import boolean, integer, optional_boolean
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["DistributeData", "distribute_data"]
@@ -18,11 +19,25 @@ __all__ = ["DistributeData", "distribute_data"]
 
 @attrs.frozen(repr=False)
 class DistributeData(Transform):
-    """See :func:`distribute_data`."""
+    """Give each rank its share of the loader's data and deliver batches on the device.
 
-    non_blocking: bool = True
-    pin_memory: bool | None = None
-    seed: int = 0
+    The loader is rebuilt around a ``DistributedSampler`` with the user's batch_size,
+    shuffle, drop_last, collate_fn, num_workers and the rest; ``set_epoch`` is called every
+    epoch. Batches are moved in one ``TensorDict`` call and come back in the user's structure.
+    The pipeline adds it with defaults when a loader is given.
+
+    Args:
+        non_blocking: asynchronous host-to-device copies.
+        pin_memory: pin host batches; ``None`` pins only on CUDA.
+        seed: the shuffling seed, the same on every rank.
+
+    Example:
+        >>> bundle = sw.pipeline(sw.distribute_data(seed=1))(model, optimizer, loader)
+    """
+
+    non_blocking: bool = attrs.field(default=True, kw_only=True, validator=boolean)
+    pin_memory: bool | None = attrs.field(default=None, kw_only=True, validator=optional_boolean)
+    seed: int = attrs.field(default=0, kw_only=True, validator=integer)
     stage: ClassVar[Stage] = Stage.DATA
     factory_name: ClassVar[str] = "distribute_data"
 
@@ -55,26 +70,5 @@ class DistributeData(Transform):
         return f"{share}, seed {self.seed}, set_epoch every epoch; {move}"
 
 
-def distribute_data(*, non_blocking: bool = True, pin_memory: bool | None = None,
-                    seed: int = 0) -> DistributeData:
-    """Give each rank its share of the loader's data and deliver batches on the device.
-
-    The loader is rebuilt around a ``DistributedSampler`` with the user's batch_size,
-    shuffle, drop_last, collate_fn, num_workers and the rest; ``set_epoch`` is called every
-    epoch. Batches are moved in one ``TensorDict`` call and come back in the user's structure.
-    The pipeline adds it with defaults when a loader is given.
-
-    Args:
-        non_blocking: asynchronous host-to-device copies.
-        pin_memory: pin host batches; ``None`` pins only on CUDA.
-        seed: the shuffling seed, the same on every rank.
-
-    Example:
-        >>> bundle = sw.pipeline(sw.distribute_data(seed=1))(model, optimizer, loader)
-    """
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"distribute_data() 'seed' must be an int (got {seed!r})")
-    if pin_memory is not None and not isinstance(pin_memory, bool):
-        raise TypeError(f"distribute_data() 'pin_memory' must be True, False or None "
-                        f"(got {pin_memory!r})")
-    return DistributeData(bool(non_blocking), pin_memory, seed)
+#: the public factory: the class itself, so its defaults are written once
+distribute_data = DistributeData

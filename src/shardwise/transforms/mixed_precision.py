@@ -17,11 +17,28 @@ from shardwise.transforms.base import Stage, Transform
 __all__ = ["MixedPrecision", "mixed_precision"]
 
 
+def _precision(value: object) -> Precision:
+    return precisions.parse(value, "mixed_precision()")
+
+
 @attrs.frozen(repr=False)
 class MixedPrecision(Transform):
-    """See :func:`mixed_precision`."""
+    """Compute the forward in ``precision`` while parameters and optimizer stay fp32.
 
-    precision: Precision
+    Under :func:`shardwise.replicate` or one process the forward runs in ``torch.autocast``;
+    ``"fp16"`` adds a ``torch.amp.GradScaler`` whose skipped steps the state counts.
+
+    Args:
+        precision: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+
+    Raises:
+        PrecisionError: an unknown name; at pipeline time, a precision the device cannot do.
+
+    Example:
+        >>> bundle = sw.pipeline(sw.mixed_precision("bf16"))(model, optimizer, loader)
+    """
+
+    precision: Precision = attrs.field(default="bf16", converter=_precision)
     stage: ClassVar[Stage] = Stage.SETTINGS
     factory_name: ClassVar[str] = "mixed_precision"
 
@@ -42,19 +59,5 @@ class MixedPrecision(Transform):
         return precisions.describe(self.precision, env.device)
 
 
-def mixed_precision(precision: Precision = "bf16") -> MixedPrecision:
-    """Compute the forward in ``precision`` while parameters and optimizer stay fp32.
-
-    Under :func:`shardwise.replicate` or one process the forward runs in ``torch.autocast``;
-    ``"fp16"`` adds a ``torch.amp.GradScaler`` whose skipped steps the state counts.
-
-    Args:
-        precision: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
-
-    Raises:
-        PrecisionError: an unknown name; at pipeline time, a precision the device cannot do.
-
-    Example:
-        >>> bundle = sw.pipeline(sw.mixed_precision("bf16"))(model, optimizer, loader)
-    """
-    return MixedPrecision(precisions.parse(precision, "mixed_precision()"))
+#: the public factory: the class itself, so its defaults are written once
+mixed_precision = MixedPrecision

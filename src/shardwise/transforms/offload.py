@@ -10,6 +10,7 @@ import attrs
 from shardwise.bundle import Bundle
 from shardwise.env import Env
 from shardwise.plan import Plan
+from shardwise.transforms._checks import boolean
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["Offload", "offload"]
@@ -17,9 +18,17 @@ __all__ = ["Offload", "offload"]
 
 @attrs.frozen(repr=False)
 class Offload(Transform):
-    """See :func:`offload`."""
+    """Keep sharded parameters, gradients and the optimizer step in host memory.
 
-    cpu: bool = True
+    Carried out by :func:`shardwise.shard` through FSDP2's ``CPUOffloadPolicy`` (pinned
+    memory only where CUDA exists). ``offload(cpu=False)`` is an explicit no-op. A pipeline
+    with ``offload()`` and no ``shard()`` is refused.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.shard(), sw.offload())
+    """
+
+    cpu: bool = attrs.field(default=True, kw_only=True, validator=boolean)
     stage: ClassVar[Stage] = Stage.SETTINGS
     factory_name: ClassVar[str] = "offload"
 
@@ -43,16 +52,5 @@ class Offload(Transform):
                 f"on the CPU, {pin} host memory")
 
 
-def offload(*, cpu: bool = True) -> Offload:
-    """Keep sharded parameters, gradients and the optimizer step in host memory.
-
-    Carried out by :func:`shardwise.shard` through FSDP2's ``CPUOffloadPolicy`` (pinned
-    memory only where CUDA exists). ``offload(cpu=False)`` is an explicit no-op. A pipeline
-    with ``offload()`` and no ``shard()`` is refused.
-
-    Example:
-        >>> pipe = sw.pipeline(sw.shard(), sw.offload())
-    """
-    if not isinstance(cpu, bool):
-        raise TypeError(f"offload() 'cpu' must be a bool (got {cpu!r})")
-    return Offload(cpu)
+#: the public factory: the class itself, so its defaults are written once
+offload = Offload

@@ -17,7 +17,13 @@ __all__ = ["Place", "place"]
 
 @attrs.frozen(repr=False)
 class Place(Transform):
-    """See :func:`place`."""
+    """Move the model to ``bundle.env.device`` and re-bind the optimizer's param groups.
+
+    Every pipeline applies it; an optimizer that already holds state is refused.
+
+    Example:
+        >>> bundle = sw.place()(sw.Bundle(model, optimizer, env=sw.detect()))
+    """
 
     stage: ClassVar[Stage] = Stage.PLACEMENT
     factory_name: ClassVar[str] = "place"
@@ -34,12 +40,5 @@ class Place(Transform):
         return f"model on {env.device}; optimizer param groups re-bound to its parameters"
 
 
-def place() -> Place:
-    """Move the model to ``bundle.env.device`` and re-bind the optimizer's param groups.
-
-    Every pipeline applies it; an optimizer that already holds state is refused.
-
-    Example:
-        >>> bundle = sw.place()(sw.Bundle(model, optimizer, env=sw.detect()))
-    """
-    return Place()
+#: the public factory: the class itself, so its defaults are written once
+place = Place

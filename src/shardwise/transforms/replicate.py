@@ -17,6 +17,7 @@ from shardwise.env import Env
 from shardwise.errors import ConflictError
 from shardwise.meta_init import is_rank0_weights
 from shardwise.plan import Plan
+from shardwise.transforms._checks import boolean, positive_number
 from shardwise.transforms.base import Distribution
 
 __all__ = ["Replicate", "replicate"]
@@ -29,13 +30,25 @@ _BUFFERS_ARG = ("forward_sync_buffers"
 
 @attrs.frozen(repr=False)
 class Replicate(Distribution):
-    """See :func:`replicate`."""
+    """Replicate the model on every rank and average gradients with ``DistributedDataParallel``.
 
-    bucket_mb: float = 25
-    find_unused_parameters: bool = False
-    static_graph: bool = False
-    gradient_as_bucket_view: bool = True
-    broadcast_buffers: bool = True
+    In one process it is a no-op (no wrapper). The module is wrapped in place; the bundle's
+    optimizer keeps its object and param groups. Arguments are DDP's (``bucket_mb`` is
+    ``bucket_cap_mb``; Transformers' ``ddp_bucket_cap_mb``, ``ddp_find_unused_parameters``,
+    ``ddp_broadcast_buffers`` map onto them).
+
+    Raises:
+        ValueError: ``bucket_mb`` is not a positive number.
+
+    Example:
+        >>> bundle = sw.pipeline(sw.replicate(bucket_mb=50))(model, optimizer, loader)
+    """
+
+    bucket_mb: float = attrs.field(default=25, kw_only=True, validator=positive_number)
+    find_unused_parameters: bool = attrs.field(default=False, kw_only=True, validator=boolean)
+    static_graph: bool = attrs.field(default=False, kw_only=True, validator=boolean)
+    gradient_as_bucket_view: bool = attrs.field(default=True, kw_only=True, validator=boolean)
+    broadcast_buffers: bool = attrs.field(default=True, kw_only=True, validator=boolean)
     factory_name: ClassVar[str] = "replicate"
 
     def engine(self, env: Env, plan: Plan) -> Engine:
@@ -78,29 +91,5 @@ class Replicate(Distribution):
                 f"{self.bucket_mb} MB buckets; rank 0's weights broadcast at start")
 
 
-def replicate(*, bucket_mb: float = 25, find_unused_parameters: bool = False,
-              static_graph: bool = False, gradient_as_bucket_view: bool = True,
-              broadcast_buffers: bool = True) -> Replicate:
-    """Replicate the model on every rank and average gradients with ``DistributedDataParallel``.
-
-    In one process it is a no-op (no wrapper). The module is wrapped in place; the bundle's
-    optimizer keeps its object and param groups. Arguments are DDP's (``bucket_mb`` is
-    ``bucket_cap_mb``; Transformers' ``ddp_bucket_cap_mb``, ``ddp_find_unused_parameters``,
-    ``ddp_broadcast_buffers`` map onto them).
-
-    Raises:
-        ValueError: ``bucket_mb`` is not a positive number.
-
-    Example:
-        >>> bundle = sw.pipeline(sw.replicate(bucket_mb=50))(model, optimizer, loader)
-    """
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
-        raise ValueError(f"replicate() 'bucket_mb' must be a number > 0 (got {bucket_mb!r})")
-    for name, value in (("find_unused_parameters", find_unused_parameters),
-                        ("static_graph", static_graph),
-                        ("gradient_as_bucket_view", gradient_as_bucket_view),
-                        ("broadcast_buffers", broadcast_buffers)):
-        if not isinstance(value, bool):
-            raise TypeError(f"replicate() '{name}' must be a bool (got {value!r})")
-    return Replicate(bucket_mb, find_unused_parameters, static_graph, gradient_as_bucket_view,
-                     broadcast_buffers)
+#: the public factory: the class itself, so its defaults are written once
+replicate = Replicate

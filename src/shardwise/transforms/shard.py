@@ -19,7 +19,8 @@ from shardwise.env import Env
 from shardwise.errors import ConflictError, EnvError
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
 from shardwise.plan import Plan
-from shardwise.policies import Policy, auto, check_policy, select
+from shardwise.policies import Policy, select
+from shardwise.transforms._checks import boolean, to_policy
 from shardwise.transforms.base import Distribution
 
 __all__ = ["Shard", "shard"]
@@ -41,15 +42,50 @@ def build_mesh(env: Env, replicate_across_nodes: bool) -> DeviceMesh:
     return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
 
 
+def _mesh(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, DeviceMesh):
+        raise TypeError(f"shard() 'mesh' must be a torch DeviceMesh (got {value!r})")
+
+
 @attrs.frozen(repr=False)
 class Shard(Distribution):
-    """See :func:`shard`."""
+    """Shard parameters, gradients and optimizer state across ranks with FSDP2 ``fully_shard``.
 
-    policy: Policy = attrs.field(factory=auto)
-    reshard_after_forward: bool = True
-    mesh: DeviceMesh | None = None
-    replicate_across_nodes: bool = False
-    sync_each_batch: bool = False
+    ``fully_shard`` is applied to each block the policy selects, deepest first, then to the
+    root (whose parameters stay gathered from forward to backward, as torch recommends);
+    the module changes in place and the bundle's optimizer is re-bound to the sharded
+    parameters (same object, same groups). Precision comes from the plan as FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)``: master weights stay
+    fp32 and no autocast runs. In one process it is a no-op.
+
+    Args:
+        policy: which blocks to shard separately; default :func:`shardwise.auto`.
+        reshard_after_forward: ``False`` keeps parameters gathered until backward (ZeRO-2,
+            SHARD_GRAD_OP): more memory, less communication.
+        mesh: a ``DeviceMesh`` to shard over; by default one over all ranks.
+        replicate_across_nodes: hybrid sharding (HYBRID_SHARD): shard within a node,
+            replicate across nodes, on a (nodes, ranks per node) mesh.
+        sync_each_batch: with ``accumulate_gradients``, reduce-scatter every micro-batch to
+            keep only sharded gradients (less memory, more communication).
+
+    Raises:
+        ValueError/TypeError: conflicting or mistyped options.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.shard(sw.by_class("LlamaDecoderLayer")), sw.mixed_precision("bf16"))
+    """
+
+    policy: Policy = attrs.field(default=None,
+                                 converter=lambda value: to_policy(value, "shard"))
+    reshard_after_forward: bool = attrs.field(default=True, kw_only=True, validator=boolean)
+    mesh: DeviceMesh | None = attrs.field(default=None, kw_only=True, validator=_mesh)
+    replicate_across_nodes: bool = attrs.field(default=False, kw_only=True, validator=boolean)
+    sync_each_batch: bool = attrs.field(default=False, kw_only=True, validator=boolean)
+
+    def __attrs_post_init__(self) -> None:
+        if self.mesh is not None and self.replicate_across_nodes:
+            raise ValueError("shard() takes either 'mesh' or 'replicate_across_nodes=True' (got "
+                             "both); pass a 2-D mesh yourself, or let shard() build it")
     factory_name: ClassVar[str] = "shard"
 
     def engine(self, env: Env, plan: Plan) -> Engine:
@@ -105,45 +141,5 @@ class Shard(Distribution):
                 f"{layout}; {zero}{sync}")
 
 
-def shard(policy: Policy | None = None, *, reshard_after_forward: bool = True,
-          mesh: DeviceMesh | None = None, replicate_across_nodes: bool = False,
-          sync_each_batch: bool = False) -> Shard:
-    """Shard parameters, gradients and optimizer state across ranks with FSDP2 ``fully_shard``.
-
-    ``fully_shard`` is applied to each block the policy selects, deepest first, then to the
-    root (whose parameters stay gathered from forward to backward, as torch recommends);
-    the module changes in place and the bundle's optimizer is re-bound to the sharded
-    parameters (same object, same groups). Precision comes from the plan as FSDP2's
-    ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)``: master weights stay
-    fp32 and no autocast runs. In one process it is a no-op.
-
-    Args:
-        policy: which blocks to shard separately; default :func:`shardwise.auto`.
-        reshard_after_forward: ``False`` keeps parameters gathered until backward (ZeRO-2,
-            SHARD_GRAD_OP): more memory, less communication.
-        mesh: a ``DeviceMesh`` to shard over; by default one over all ranks.
-        replicate_across_nodes: hybrid sharding (HYBRID_SHARD): shard within a node,
-            replicate across nodes, on a (nodes, ranks per node) mesh.
-        sync_each_batch: with ``accumulate_gradients``, reduce-scatter every micro-batch to
-            keep only sharded gradients (less memory, more communication).
-
-    Raises:
-        ValueError/TypeError: conflicting or mistyped options.
-
-    Example:
-        >>> pipe = sw.pipeline(sw.shard(sw.by_class("LlamaDecoderLayer")), sw.mixed_precision("bf16"))
-    """
-    if policy is not None:
-        check_policy(policy, "shard()")
-    for name, value in (("reshard_after_forward", reshard_after_forward),
-                        ("replicate_across_nodes", replicate_across_nodes),
-                        ("sync_each_batch", sync_each_batch)):
-        if not isinstance(value, bool):
-            raise TypeError(f"shard() '{name}' must be a bool (got {value!r})")
-    if mesh is not None and replicate_across_nodes:
-        raise ValueError("shard() takes either 'mesh' or 'replicate_across_nodes=True' (got "
-                         "both); pass a 2-D mesh yourself, or let shard() build it")
-    if mesh is not None and not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"shard() 'mesh' must be a torch DeviceMesh (got {mesh!r})")
-    return Shard(auto() if policy is None else policy, reshard_after_forward, mesh,
-                 replicate_across_nodes, sync_each_batch)
+#: the public factory: the class itself, so its defaults are written once
+shard = Shard

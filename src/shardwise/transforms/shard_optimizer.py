@@ -19,7 +19,15 @@ __all__ = ["ShardOptimizer", "shard_optimizer"]
 
 @attrs.frozen(repr=False)
 class ShardOptimizer(Transform):
-    """See :func:`shard_optimizer`."""
+    """Shard optimizer state across ranks (ZeRO-1) for a :func:`shardwise.replicate` model.
+
+    torch's ``ZeroRedundancyOptimizer`` is built with your optimizer's class, param groups
+    and hyperparameters; ``bundle.optimizer`` stays your object (a scheduler bound to it keeps
+    working) and the step copies its hyperparameters into the sharded engine each step.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.replicate(), sw.shard_optimizer())
+    """
 
     stage: ClassVar[Stage] = Stage.OPTIMIZER
     factory_name: ClassVar[str] = "shard_optimizer"
@@ -53,14 +61,5 @@ class ShardOptimizer(Transform):
                 "the optimizer state, with your optimizer's class, groups and hyperparameters")
 
 
-def shard_optimizer() -> ShardOptimizer:
-    """Shard optimizer state across ranks (ZeRO-1) for a :func:`shardwise.replicate` model.
-
-    torch's ``ZeroRedundancyOptimizer`` is built with your optimizer's class, param groups
-    and hyperparameters; ``bundle.optimizer`` stays your object (a scheduler bound to it keeps
-    working) and the step copies its hyperparameters into the sharded engine each step.
-
-    Example:
-        >>> pipe = sw.pipeline(sw.replicate(), sw.shard_optimizer())
-    """
-    return ShardOptimizer()
+#: the public factory: the class itself, so its defaults are written once
+shard_optimizer = ShardOptimizer

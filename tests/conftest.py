@@ -26,6 +26,20 @@ def masked_micro_batches(count=3, size=2, seq=10, vocab=32, seed=0):
             for i in range(0, count * size, size)]
 
 
+def train_for(bundle, state, micro_steps):
+    """Train ``micro_steps`` micro-batches from ``bundle.loader``, epoch after epoch; the
+    final state and each micro-batch's loss."""
+    losses = []
+    while micro_steps:
+        for batch in bundle.loader:
+            state, out = bundle.step(state, batch)
+            losses.append(out.loss.item())
+            micro_steps -= 1
+            if micro_steps == 0:
+                break
+    return state, losses
+
+
 def train_steps(bundle, state, batches):
     """Step ``bundle`` over ``batches`` from ``state``; the final state and every output."""
     outputs = []

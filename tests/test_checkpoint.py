@@ -17,6 +17,8 @@ from shardwise.testing import (
     run_distributed,
 )
 
+from conftest import train_for
+
 
 def build(parts, batch_size=4, accumulate=2):
     torch.manual_seed(0)
@@ -29,19 +31,6 @@ def build(parts, batch_size=4, accumulate=2):
     return pipe(model, opt, loader, scheduler=sched)
 
 
-def run(bundle, state, micro_steps):
-    """Train ``micro_steps`` micro-batches, epoch after epoch; returns the state and losses."""
-    losses = []
-    while micro_steps:
-        for batch in bundle.loader:
-            state, out = bundle.step(state, batch)
-            losses.append(out.loss.item())
-            micro_steps -= 1
-            if micro_steps == 0:
-                break
-    return state, losses
-
-
 LAYOUTS = {"replicate": [sw.replicate()], "shard": [sw.shard()],
            "zero1": [sw.replicate(), sw.shard_optimizer()]}
 
@@ -51,7 +40,7 @@ def straight(root):
     for name, parts in LAYOUTS.items():
         bundle = build(parts)
         torch.manual_seed(1234)
-        state, losses = run(bundle, bundle.init(), 20)
+        state, losses = train_for(bundle, bundle.init(), 20)
         out[name] = {"losses": losses, "params": full_state(bundle.model), "state": state}
     return out
 
@@ -61,7 +50,7 @@ def first_half(root):
     for name, parts in LAYOUTS.items():
         bundle = build(parts)
         torch.manual_seed(1234)
-        state, losses = run(bundle, bundle.init(), 10)
+        state, losses = train_for(bundle, bundle.init(), 10)
         path = sw.save(os.path.join(root, name), bundle, state)
         out[name] = {"losses": losses, "path": str(path)}
     return out
@@ -73,7 +62,7 @@ def second_half(root):
         bundle = build(parts)
         torch.manual_seed(999)  # must not matter: the checkpoint restores the generators
         state = sw.load(os.path.join(root, name), bundle)
-        state, losses = run(bundle, state, 10)
+        state, losses = train_for(bundle, state, 10)
         out[name] = {"losses": losses, "params": full_state(bundle.model), "state": state}
     return out
 
@@ -116,7 +105,7 @@ def load_and_report(path, parts):
     bundle = build(parts)
     state = sw.load(path, bundle)
     params = full_state(bundle.model)
-    state, losses = run(bundle, state, 4)
+    state, losses = train_for(bundle, state, 4)
     return {"params": params, "state": state, "losses": losses}
 
 
@@ -136,7 +125,7 @@ def test_two_rank_checkpoints_load_in_one_process_and_across_layouts(resumed):
 
 def save_one_process(root):
     bundle = build([])
-    state, _ = run(bundle, bundle.init(), 6)
+    state, _ = train_for(bundle, bundle.init(), 6)
     sw.save(root, bundle, state)
     return full_state(bundle.model)
 
@@ -151,13 +140,13 @@ def test_one_process_checkpoint_loads_sharded_on_two_ranks(tmp_path):
 
 def test_round_trip_in_the_same_process_restores_everything(tmp_path):
     bundle = build([])
-    state, _ = run(bundle, bundle.init(), 6)
+    state, _ = train_for(bundle, bundle.init(), 6)
     snapshot = {k: v.clone() for k, v in bundle.model.state_dict().items()}
     opt_snapshot = {k: {n: t.clone() for n, t in s.items()}
                     for k, s in bundle.optimizer.state_dict()["state"].items()}
     lr, rng = bundle.optimizer.param_groups[0]["lr"], torch.get_rng_state()
     sw.save(tmp_path, bundle, state)
-    run(bundle, state, 4)  # move everything on
+    train_for(bundle, state, 4)  # move everything on
     assert sw.load(tmp_path, bundle) == state
     assert all(torch.equal(v, snapshot[k]) for k, v in bundle.model.state_dict().items())
     for k, s in bundle.optimizer.state_dict()["state"].items():
@@ -170,7 +159,7 @@ def test_keep_last_prunes_older_complete_checkpoints(tmp_path):
     bundle = build([], accumulate=1)
     state = bundle.init()
     for _ in range(4):
-        state, _ = run(bundle, state, 1)
+        state, _ = train_for(bundle, state, 1)
         sw.save(tmp_path, bundle, state, keep_last=2)
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step_")) == [
         "step_00000003", "step_00000004"]
@@ -179,9 +168,9 @@ def test_keep_last_prunes_older_complete_checkpoints(tmp_path):
 
 def save_twice_and_die_in_the_second(root):
     bundle = build([], accumulate=1)
-    state, _ = run(bundle, bundle.init(), 1)
+    state, _ = train_for(bundle, bundle.init(), 1)
     sw.save(root, bundle, state)
-    state, _ = run(bundle, state, 1)
+    state, _ = train_for(bundle, state, 1)
     if sw.detect().rank == 1:
         import shardwise._rng
 
@@ -204,7 +193,7 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
 
 def test_loading_into_another_model_lists_the_differences(tmp_path):
     bundle = build([], accumulate=1)
-    state, _ = run(bundle, bundle.init(), 1)
+    state, _ = train_for(bundle, bundle.init(), 1)
     sw.save(tmp_path, bundle, state)
     torch.manual_seed(0)
     other = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=3)
@@ -222,9 +211,9 @@ def test_loading_into_another_model_lists_the_differences(tmp_path):
 
 def test_partial_and_corrupt_checkpoints_are_reported(tmp_path):
     bundle = build([], accumulate=1)
-    state, _ = run(bundle, bundle.init(), 1)
+    state, _ = train_for(bundle, bundle.init(), 1)
     first = sw.save(tmp_path, bundle, state)
-    state, _ = run(bundle, state, 1)
+    state, _ = train_for(bundle, state, 1)
     second = sw.save(tmp_path, bundle, state)
     (second / "shardwise.json").unlink()  # partial: never taken as latest
     assert sw.latest_checkpoint(tmp_path) == first
@@ -242,7 +231,7 @@ class Evil:
 
 def test_loading_never_unpickles_foreign_objects(tmp_path):
     bundle = build([], accumulate=1)
-    state, _ = run(bundle, bundle.init(), 1)
+    state, _ = train_for(bundle, bundle.init(), 1)
     path = sw.save(tmp_path, bundle, state)
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(CheckpointError, match="refers to posix.system"):
@@ -251,10 +240,10 @@ def test_loading_never_unpickles_foreign_objects(tmp_path):
 
 def test_unwritable_directory_and_mid_window_saves_are_refused(tmp_path):
     bundle = build([], accumulate=2)
-    state, _ = run(bundle, bundle.init(), 1)
+    state, _ = train_for(bundle, bundle.init(), 1)
     with pytest.raises(CheckpointError, match="inside an accumulation window of 2"):
         sw.save(tmp_path, bundle, state)
-    state, _ = run(bundle, state, 1)
+    state, _ = train_for(bundle, state, 1)
     previous = sw.save(tmp_path / "ok", bundle, state)
     blocker = tmp_path / "file"
     blocker.write_text("a file, not a directory")
@@ -271,7 +260,7 @@ def test_a_full_disk_during_save_raises_and_keeps_the_previous_checkpoint(tmp_pa
     import shardwise.checkpoint
 
     bundle = build([], accumulate=1)
-    state, _ = run(bundle, bundle.init(), 1)
+    state, _ = train_for(bundle, bundle.init(), 1)
     previous = sw.save(tmp_path, bundle, state)
 
     class FullDisk(shardwise.checkpoint.FileSystemWriter):
@@ -279,7 +268,7 @@ def test_a_full_disk_during_save_raises_and_keeps_the_previous_checkpoint(tmp_pa
             raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(shardwise.checkpoint, "FileSystemWriter", FullDisk)
-    state, _ = run(bundle, state, 1)
+    state, _ = train_for(bundle, state, 1)
     with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint is intact"):
         sw.save(tmp_path, bundle, state)
     assert sw.latest_checkpoint(tmp_path) == previous
@@ -292,12 +281,12 @@ def round_trip_in_place(root):
     out = {}
     for name, parts in LAYOUTS.items():
         bundle = build(parts)
-        state, _ = run(bundle, bundle.init(), 6)
+        state, _ = train_for(bundle, bundle.init(), 6)
         engine = bundle.sharded_optimizer or bundle.optimizer
         before = (full_state(bundle.model), _optimizer_tensors(engine), torch.get_rng_state(),
                   bundle.scheduler.state_dict())
         sw.save(os.path.join(root, name), bundle, state)
-        run(bundle, state, 4)
+        train_for(bundle, state, 4)
         loaded = sw.load(os.path.join(root, name), bundle)
         after = (full_state(bundle.model), _optimizer_tensors(engine), torch.get_rng_state(),
                  bundle.scheduler.state_dict())
@@ -333,7 +322,7 @@ def test_round_trip_on_two_ranks_in_the_same_processes(tmp_path):
 ])
 def test_the_metadata_allow_list_takes_exact_names_only(tmp_path, payload, shown):
     bundle = build([], accumulate=1)
-    state, _ = run(bundle, bundle.init(), 1)
+    state, _ = train_for(bundle, bundle.init(), 1)
     path = sw.save(tmp_path, bundle, state)
     (path / ".metadata").write_bytes(payload)
     with pytest.raises(CheckpointError, match=f"refers to .*{shown}"):
@@ -348,7 +337,7 @@ def test_saving_before_the_first_step_changes_nothing(tmp_path):
 
 def test_a_model_only_bundle_loads_a_training_checkpoint(tmp_path):
     bundle = build([], accumulate=1)
-    state, _ = run(bundle, bundle.init(), 2)
+    state, _ = train_for(bundle, bundle.init(), 2)
     sw.save(tmp_path, bundle, state)
     torch.manual_seed(5)
     model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2, dropout=0.1)
@@ -360,7 +349,7 @@ def test_a_model_only_bundle_loads_a_training_checkpoint(tmp_path):
 
 def test_tuples_in_optimizer_settings_stay_tuples(tmp_path):
     bundle = build([], accumulate=1)
-    state, _ = run(bundle, bundle.init(), 1)
+    state, _ = train_for(bundle, bundle.init(), 1)
     groups = bundle.optimizer.state_dict()["param_groups"]
     sw.save(tmp_path, bundle, state)
     fresh = build([], accumulate=1)
@@ -371,16 +360,16 @@ def test_tuples_in_optimizer_settings_stay_tuples(tmp_path):
 
 def test_reloading_after_a_resumed_epoch_returns_to_the_saved_batch(tmp_path):
     bundle = build([], accumulate=1)  # one process: 12 batches an epoch
-    state, _ = run(bundle, bundle.init(), 5)
+    state, _ = train_for(bundle, bundle.init(), 5)
     sw.save(tmp_path, bundle, state)
     sw.load(tmp_path, bundle)
-    run(bundle, state, 2)
+    train_for(bundle, state, 2)
     assert bundle.loader.epoch_length() == 12
     sw.load(tmp_path, bundle)
     first = next(iter(bundle.loader))
     assert (bundle.loader.epoch, bundle.loader.batch_in_epoch) == (0, 6)
     again = build([], accumulate=1)
-    run(again, again.init(), 5)
+    train_for(again, again.init(), 5)
     assert torch.equal(first["input_ids"], next(iter(again.loader))["input_ids"]) is False
     sw.load(tmp_path, again)
     assert torch.equal(first["input_ids"], next(iter(again.loader))["input_ids"])
@@ -388,7 +377,7 @@ def test_reloading_after_a_resumed_epoch_returns_to_the_saved_batch(tmp_path):
 
 def test_a_different_sampler_seed_is_refused(tmp_path):
     bundle = build([], accumulate=1)
-    state, _ = run(bundle, bundle.init(), 1)
+    state, _ = train_for(bundle, bundle.init(), 1)
     sw.save(tmp_path, bundle, state)
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2, dropout=0.1)
@@ -401,7 +390,7 @@ def test_a_different_sampler_seed_is_refused(tmp_path):
 
 def test_a_missing_shard_file_is_a_partial_checkpoint(tmp_path):
     bundle = build([], accumulate=1)
-    state, _ = run(bundle, bundle.init(), 1)
+    state, _ = train_for(bundle, bundle.init(), 1)
     path = sw.save(tmp_path, bundle, state)
     for shard_file in path.glob("*.distcp"):
         shard_file.unlink()
@@ -413,7 +402,7 @@ def test_keep_last_after_a_rollback_and_debris_cleanup(tmp_path):
     bundle = build([], accumulate=1)
     state = bundle.init()
     for _ in range(3):
-        state, _ = run(bundle, state, 1)
+        state, _ = train_for(bundle, state, 1)
         sw.save(tmp_path, bundle, state)
     (tmp_path / ".tmp.step_00000009").mkdir()  # an interrupted save of another step
     rolled_back = sw.TrainState(step=2, micro_step=2)

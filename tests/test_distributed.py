@@ -5,7 +5,6 @@ the tests compare its results with single-process runs on the same global batche
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import token_loss
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
@@ -14,6 +13,8 @@ import shardwise as sw
 from shardwise._params import unwrap
 from shardwise.errors import NonFiniteError
 from shardwise.testing import SyntheticTokens, TinyTransformerLM, max_param_diff, run_distributed
+
+from conftest import token_loss
 
 
 class MaskedTokens(Dataset):

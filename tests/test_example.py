@@ -5,9 +5,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from _jobs import run_jobs
 
 from shardwise.testing import free_port
+
+from _jobs import run_jobs
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 

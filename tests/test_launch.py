@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _jobs import run_jobs
 
 from shardwise.cli.launch import default_config_path, register, torchrun_args
 from shardwise.errors import ConfigError
+
+from _jobs import run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 

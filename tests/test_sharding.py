@@ -17,6 +17,8 @@ from shardwise.testing import (
     run_distributed,
 )
 
+from conftest import train_for
+
 
 def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
@@ -42,11 +44,7 @@ def train(parts, batch_size, steps, layers=2):
     model, opt = make(layers)
     loader = DataLoader(SyntheticTokens(size=512, seq_len=8), batch_size=batch_size, shuffle=True)
     bundle = sw.pipeline(sw.detect(), *parts)(model, opt, loader)
-    state, losses = bundle.init(), []
-    batches = (batch for _ in range(100) for batch in bundle.loader)  # epoch after epoch
-    for _ in range(steps):
-        state, out = bundle.step(state, next(batches))
-        losses.append(out.loss.item())
+    _, losses = train_for(bundle, bundle.init(), steps)
     groups = bundle.optimizer.param_groups
     return {"params": full_state(bundle.model), "losses": losses,
             "groups": ([g["weight_decay"] for g in groups], bundle.optimizer is opt,

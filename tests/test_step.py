@@ -5,12 +5,13 @@ import copy
 import attrs
 import pytest
 import torch
-from conftest import ONE, masked_micro_batches, token_loss, train_steps
 from torch.utils.data import DataLoader
 
 import shardwise as sw
 from shardwise.errors import LossError, NonFiniteError, OptimizerError
 from shardwise.testing import SyntheticRegression, TinyMLP, TinyTransformerLM, max_param_diff
+
+from conftest import ONE, masked_micro_batches, token_loss, train_steps
 
 
 def mlp_and_sgd(seed=0, lr=0.1):

@@ -324,7 +324,7 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
         bundle.scaler.load_state_dict(meta["scaler"])
     _restore_rng(path, bundle, meta)
     state = TrainState.from_dict(meta["train_state"])
-    _resume_data(bundle, meta["data"])
+    _position_loader(bundle, state, meta["data"].get("seed"))
     return state
 
 
@@ -338,15 +338,17 @@ def _restore_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
     _rng.restore(json.loads(rank_file.read_text()))
 
 
-def _resume_data(bundle: Bundle, data: dict[str, Any]) -> None:
+def _position_loader(bundle: Bundle, state: TrainState, seed: int | None) -> None:
+    """Position the bundle's loader at the state's data position: the next batch of its
+    epoch, or the start of the next epoch when that one was finished."""
     loader = bundle.loader
     if not isinstance(loader, DeviceLoader):
         return
-    if data.get("seed") is not None and loader.seed is not None and data["seed"] != loader.seed:
+    if seed is not None and loader.seed is not None and seed != loader.seed:
         raise CheckpointError(
-            f"the checkpoint's data order used sampler seed {data['seed']}, this loader uses "
-            f"{loader.seed}; pass distribute_data(seed={data['seed']}) to resume the same order")
-    epoch, done = int(data["epoch"]), int(data["batch_in_epoch"])
+            f"the checkpoint's data order used sampler seed {seed}, this loader uses "
+            f"{loader.seed}; pass distribute_data(seed={seed}) to resume the same order")
+    epoch, done = state.epoch, state.batch_in_epoch
     length = loader.epoch_length()
     if length is not None and done >= length:
         epoch, done = epoch + 1, 0

@@ -12,12 +12,13 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from shardwise import precision
 from shardwise.errors import EnvError
+from shardwise.precision import Precision
 
 __all__ = ["Env", "detect", "CONFIG_ENV_VAR", "Launcher", "Precision"]
 
 Launcher = Literal["none", "torchrun", "env", "slurm", "mpi"]
-Precision = Literal["fp32", "bf16", "fp16"]
 
 #: The variable a launcher sets to hand a config file to the script (``Env.config_path``).
 CONFIG_ENV_VAR = "SHARDWISE_CONFIG_FILE"
@@ -73,9 +74,10 @@ class Env:
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value < bound:
                 raise EnvError(f"'{name}' must be an integer in [0, {bound}) (got {value!r})")
-        unknown = [p for p in self.precisions if p not in ("fp32", "bf16", "fp16")]
+        unknown = [p for p in self.precisions if p not in precision.NAMES]
         if unknown:
-            raise EnvError(f"'precisions' may hold 'fp32', 'bf16', 'fp16' (got {unknown!r})")
+            raise EnvError(f"'precisions' may hold {', '.join(map(repr, precision.NAMES))} "
+                           f"(got {unknown!r})")
 
     @property
     def is_main(self) -> bool:
@@ -205,24 +207,22 @@ def _topology(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def _device_facts(device: torch.device, world_size: int) -> dict[str, Any]:
     """Backend, precisions and memory of ``device``."""
-    kind = device.type
+    kind, precisions = device.type, precision.supported(device)
     if kind == "cuda":
         index = device.index or 0
-        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        return dict(backend="nccl", precisions=("fp32", "bf16", "fp16") if bf16 else ("fp32", "fp16"),
+        return dict(backend="nccl", precisions=precisions,
                     device_memory_bytes=torch.cuda.get_device_properties(index).total_memory)
     if kind == "xpu":
         index = device.index or 0
-        return dict(backend="xccl", precisions=("fp32", "bf16", "fp16"),
+        return dict(backend="xccl", precisions=precisions,
                     device_memory_bytes=torch.xpu.get_device_properties(index).total_memory)
     if kind == "mps":
-        return dict(backend="gloo", precisions=("fp32", "bf16", "fp16"), device_memory_bytes=None)
+        return dict(backend="gloo", precisions=precisions, device_memory_bytes=None)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = None
-    # fp16 autocast on CPU is slow and GradScaler's fp16 path is unsupported there: fp32 and bf16.
-    return dict(backend="gloo", precisions=("fp32", "bf16"), device_memory_bytes=ram)
+    return dict(backend="gloo", precisions=precisions, device_memory_bytes=ram)
 
 
 def _pick_device(local_rank: int, world_size: int) -> torch.device:

@@ -12,6 +12,7 @@ __all__ = ["TrainState", "StepOutput", "PROGRESS", "OnNonFinite", "check_on_nonf
 
 #: What a non-finite loss or gradient does in fp32/bf16: raise, or skip the optimizer step.
 OnNonFinite = Literal["raise", "skip"]
+_ON_NONFINITE = get_args(OnNonFinite)
 
 #: The fields of :class:`TrainState` a checkpoint saves.
 PROGRESS = ("step", "micro_step", "epoch", "batch_in_epoch", "skipped_steps")
@@ -87,7 +88,7 @@ class StepOutput:
 def check_on_nonfinite(value: Any, where: str, *, allow_none: bool = False) -> None:
     """Raise a ValueError naming ``where`` unless ``value`` is "raise" or "skip" (or None,
     where ``allow_none``)."""
-    if value in get_args(OnNonFinite) or (allow_none and value is None):
+    if value in _ON_NONFINITE or (allow_none and value is None):
         return
     accepted = "'raise', 'skip' or None" if allow_none else "'raise' or 'skip'"
     raise ValueError(f"{where} 'on_nonfinite' must be {accepted} (got {value!r})")

@@ -188,7 +188,8 @@ class Stepper:
 
     def step(self, state: TrainState, batch: Any,
              on_nonfinite: OnNonFinite | None) -> tuple[TrainState, StepOutput]:
-        check_on_nonfinite(on_nonfinite, "step()", allow_none=True)
+        if on_nonfinite is not None:
+            check_on_nonfinite(on_nonfinite, "step()", allow_none=True)
         micro = state.micro_step + 1
         boundary = micro % self.window == 0
         if self.move:

@@ -110,3 +110,16 @@ def test_pin_memory_without_cuda_is_refused():
     with pytest.raises(DataError, match="pinned memory needs a CUDA device"):
         sw.pipeline(sw.Env(), sw.distribute_data(pin_memory=True))(
             torch.nn.Linear(1, 1), None, DataLoader(SyntheticRegression(size=4)))
+
+
+def test_the_device_loader_reads_like_the_loader_it_wraps():
+    data = SyntheticRegression(size=10)
+    bundle = sw.Bundle(torch.nn.Linear(8, 1), loader=DataLoader(data, batch_size=3, drop_last=True),
+                       env=TWO)
+    loader = sw.distribute_data()(bundle).loader
+    assert isinstance(loader, DeviceLoader)
+    assert loader.dataset is data and loader.batch_size == 3 and loader.drop_last
+    assert isinstance(loader.sampler, DistributedSampler) and loader.sampler.rank == 1
+    assert len(loader) == 1  # this rank's 5 samples make one whole batch of 3
+    with pytest.raises(AttributeError):
+        loader.no_such_attribute  # noqa: B018

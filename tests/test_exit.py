@@ -59,3 +59,37 @@ def test_rank_0_hosting_the_store_leaves_after_the_others(tmp_path):
     assert ends[0] >= ends[1] - 2.0 and ends[0] - start >= late, (ends, start)
     for _, err in outputs:
         assert "NOT been destroyed" not in err and "exit barrier failed" not in err, err
+
+
+FAILING = """
+import torch, shardwise as sw
+from torch.utils.data import DataLoader
+from shardwise.testing import SyntheticRegression, TinyMLP
+torch.manual_seed(0)
+model = TinyMLP()
+loader = DataLoader(SyntheticRegression(size=64), batch_size=4)
+env = sw.detect()
+bundle = sw.pipeline(env, sw.replicate())(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+state = bundle.init()
+for epoch in range(10_000):  # rank 0 trains on, blocked in DDP's all-reduce once rank 1 is gone
+    for batch in bundle.loader:
+        state, out = bundle.step(state, batch)
+        if env.rank == 1 and state.step == 3:
+            raise RuntimeError("rank 1 fails mid-training")
+"""
+
+
+def test_a_rank_that_raises_ends_the_job_within_seconds(tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "RuntimeError: rank 1 fails mid-training" in proc.stderr
+    assert "leaving at once, without the exit barrier" in proc.stderr
+    # torchrun's start-up is ~5 s here; waiting at the exit barrier took 60 s more
+    assert took < 15, (took, proc.stderr[-2000:])

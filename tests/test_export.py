@@ -53,6 +53,7 @@ def test_a_transformers_model_round_trips_through_from_pretrained(tmp_path):
                                       tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
+    model.generation_config.max_new_tokens, model.generation_config.do_sample = 7, False
     pipe = sw.pipeline(sw.Env(), sw.checkpoint_activations(sw.by_class("LlamaDecoderLayer")))
     bundle = pipe(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     ids = torch.randint(0, 64, (2, 12))
@@ -64,3 +65,7 @@ def test_a_transformers_model_round_trips_through_from_pretrained(tmp_path):
     again = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
     for name, value in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], value), name
+    assert (tmp_path / "generation_config.json").is_file()
+    assert again.generation_config.max_new_tokens == 7
+    prompt = ids[:1, :4]
+    assert torch.equal(again.generate(prompt), model.eval().generate(prompt))

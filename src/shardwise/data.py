@@ -61,6 +61,9 @@ def to_device(batch: Any, device: torch.device, *, non_blocking: bool = True) ->
 class DeviceLoader:
     """Iterates a loader, calling ``set_epoch`` each epoch and moving batches to the device.
 
+    It reads like the loader it wraps: ``len``, ``dataset``, ``batch_size``, ``sampler`` and
+    the rest are the wrapped loader's (``sampler`` is this rank's ``DistributedSampler``).
+
     ``epoch`` is the epoch being iterated and ``batch_in_epoch`` the batches handed out in
     it; :meth:`set_epoch` chooses the epoch the next iteration starts.
     """
@@ -126,6 +129,13 @@ class DeviceLoader:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything else users read of a loader (``dataset``, ``batch_size``, ``drop_last``,
+        ``num_workers``, ...) is the wrapped loader's."""
+        if name == "loader":  # not set yet (during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
         self.epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1

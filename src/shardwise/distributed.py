@@ -7,6 +7,8 @@ import atexit
 import datetime
 import logging
 import os
+import sys
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,8 @@ _EXIT_BARRIER = datetime.timedelta(seconds=60)
 _groups_started = 0  # distinguishes the exit-barrier keys of successive groups in one process
 # the group started here and its exit-barrier store; None once left
 _started: tuple[dist.ProcessGroup | None, dist.Store] | None = None
+# set by the excepthook shardwise installs when it starts a group: this rank is failing
+_failing: list[BaseException] = []
 
 
 def _exit_barrier(store: dist.Store, rank: int, world_size: int) -> None:
@@ -44,9 +48,24 @@ def _exit_barrier(store: dist.Store, rank: int, world_size: int) -> None:
         store.wait(["all_left"], _EXIT_BARRIER)
 
 
+def _note_failure(previous: object) -> object:
+    """An excepthook that records an uncaught exception, then runs ``previous``."""
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        _failing.append(exc)
+        previous(kind, exc, tb)  # type: ignore[operator]
+
+    return hook
+
+
 def _shutdown() -> None:
     """Leave the group started here: exit barrier, then destroy it. Idempotent; registered
-    with atexit. Avoids aborts and torch's 'not destroyed' warning."""
+    with atexit. Avoids aborts and torch's 'not destroyed' warning.
+
+    A rank whose script ended with an uncaught exception leaves at once instead: the other
+    ranks may be blocked in a collective and never reach the barrier, and the launcher
+    (torchrun) stops them as soon as this process has exited with its error.
+    """
     global _started
     if _started is None:
         return
@@ -54,6 +73,13 @@ def _shutdown() -> None:
     _started = None
     if not dist.is_initialized() or dist.group.WORLD is not group:
         return  # the script destroyed (or replaced) the group itself
+    if _failing:
+        log.error("rank %d raised %s: leaving at once, without the exit barrier",
+                  dist.get_rank(), type(_failing[0]).__name__)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        # no group teardown: a peer may hold it in a collective; exit with Python's code
+        os._exit(130 if isinstance(_failing[0], KeyboardInterrupt) else 1)
     try:
         _exit_barrier(store, dist.get_rank(), dist.get_world_size())
     except Exception as exc:  # another rank is gone: leave anyway
@@ -112,6 +138,7 @@ def ensure_process_group(env: Env) -> None:
     exit_store = dist.PrefixStore(f"shardwise/exit/{restart}/{_groups_started}", store)
     if _groups_started == 1:
         atexit.register(_shutdown)
+        sys.excepthook = _note_failure(sys.excepthook)  # type: ignore[assignment]
     _started = (dist.group.WORLD, exit_store)
 
 

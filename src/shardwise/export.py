@@ -49,13 +49,17 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _write_config(model: torch.nn.Module, out: Path) -> None:
+    """``config.json``, and ``generation_config.json`` when the model has one (Transformers),
+    so ``from_pretrained`` and ``generate`` read the directory as they expect."""
     config: Any = getattr(model, "config", None)
-    if config is None:
-        return
-    if hasattr(config, "save_pretrained"):  # a Transformers PretrainedConfig
-        config.save_pretrained(out)
-    elif hasattr(config, "to_dict"):
-        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    if config is not None:
+        if hasattr(config, "save_pretrained"):  # a Transformers PretrainedConfig
+            config.save_pretrained(out)
+        elif hasattr(config, "to_dict"):
+            (out / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    generation: Any = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(out)
 
 
 def export(path: str | os.PathLike[str], bundle: Bundle, *,
@@ -64,8 +68,9 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *,
 
     Sharded parameters are gathered one at a time and kept on rank 0's CPU only; names
     carry no wrapper prefixes, so ``model.load_state_dict(..., strict=True)`` on the plain
-    model works. A model with a ``config`` (Transformers) also gets ``config.json``, so
-    ``from_pretrained(path)`` reads the directory.
+    model works. A model with a ``config`` (Transformers) also gets ``config.json`` (and
+    ``generation_config.json`` when it has one), so ``from_pretrained(path)`` reads the
+    directory and ``generate`` uses the same settings.
 
     Args:
         path: the output directory.

@@ -18,11 +18,12 @@ from shardwise.bundle import Bundle, Plan
 from shardwise.checkpoint import latest_checkpoint, load, save
 from shardwise.configured import from_config, from_ddp_args
 from shardwise.data import to_device
-from shardwise.distributed import ensure_process_group
+from shardwise.distributed import ensure_process_group, main_process_first
 from shardwise.env import CONFIG_ENV_VAR, Env, detect
 from shardwise.export import export
 from shardwise.memory import MemoryEstimate, estimate_memory
 from shardwise.meta_init import init_on_meta
+from shardwise.metrics import gather_for_metrics, reduce
 from shardwise.pipeline import Pipeline, pipeline
 from shardwise.policies import auto, by_class, by_size
 from shardwise.state import StepOutput, TrainState
@@ -71,6 +72,9 @@ __all__ = [
     "export",
     "from_config",
     "from_ddp_args",
+    "gather_for_metrics",
+    "main_process_first",
+    "reduce",
     "init_on_meta",
     "errors",
     "policies",

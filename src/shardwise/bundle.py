@@ -14,7 +14,7 @@ from shardwise.engines import Engine, LocalEngine
 from shardwise.env import Env, detect
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, StepOutput, TrainState
-from shardwise.step import Stepper
+from shardwise.step import Stepper, predict
 
 __all__ = ["Bundle", "Plan", "OnNonFinite", "LossFn"]
 
@@ -23,6 +23,8 @@ __all__ = ["Bundle", "Plan", "OnNonFinite", "LossFn"]
 class Bundle:
     """Model, optimizer, loader and scheduler made ready for ``env``, with the step that trains them.
 
+    ``eval_loader`` is distributed like ``loader`` (each rank its share, every rank the same
+    number of batches; :func:`shardwise.gather_for_metrics` drops the padding).
     ``engine`` is what the distribution transform chose (one process, DDP, FSDP2): the step,
     checkpoints, export and the memory estimate ask it how to do what differs between them.
 
@@ -47,12 +49,27 @@ class Bundle:
     loss_fn: LossFn | None = None
     scaler: torch.amp.GradScaler | None = None
     engine: Engine = attrs.field(factory=LocalEngine)
+    eval_loader: Iterable[Any] | None = None
 
     @property
     def sharded_optimizer(self) -> torch.optim.Optimizer | None:
         """The ZeRO-1 optimizer :func:`shardwise.shard_optimizer` added, driven with the
         hyperparameters of ``optimizer`` (which stays the user's object), or None."""
         return self.engine.sharded_optimizer
+
+    def predict(self, batch: Any) -> Any:
+        """The model's output for ``batch``: no gradients, in eval mode, at the precision
+        training uses under this bundle's engine (autocast, or FSDP2's parameter casting).
+
+        The batch is passed as in :meth:`step` (``model(**batch)`` for a mapping,
+        ``model(*batch)`` for a tuple or list). Train mode is restored afterwards.
+
+        Example:
+            >>> for batch in bundle.eval_loader:
+            ...     logits = bundle.predict(batch)["logits"]
+        """
+        return predict(self.model, batch, precision=self.plan.precision, env=self.env,
+                       engine=self.engine, move=self.loader is None)
 
     def init(self) -> TrainState:
         """A fresh :class:`TrainState` at step 0."""

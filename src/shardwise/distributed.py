@@ -4,19 +4,21 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from types import TracebackType
 
 import torch
 import torch.distributed as dist
 
-from shardwise.env import Env
+from shardwise.env import Env, detect
 from shardwise.errors import EnvError
 
-__all__ = ["ensure_process_group", "joined", "all_agree"]
+__all__ = ["ensure_process_group", "joined", "all_agree", "main_process_first"]
 
 log = logging.getLogger(__name__)
 
@@ -154,3 +156,29 @@ def all_agree(env: Env, ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], device=env.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+@contextlib.contextmanager
+def main_process_first(env: Env | None = None, *, local: bool = False) -> Iterator[None]:
+    """Run the block on the main process first, then on all the others together.
+
+    For work whose result the others reuse: downloading, tokenising and caching a dataset.
+    The main process is global rank 0, or with ``local=True`` each node's local rank 0
+    (for a cache on a node's own disk). If the main process raises, the others never start
+    the block (the failing rank ends the job). In one process it just runs the block.
+
+    Example:
+        >>> with sw.main_process_first():
+        ...     dataset = load_and_tokenise()
+    """
+    env = env or detect()
+    if not env.is_distributed:
+        yield
+        return
+    ensure_process_group(env)
+    main = env.local_rank == 0 if local else env.is_main
+    if not main:
+        dist.barrier()  # wait for the main process to finish the block
+    yield
+    if main:
+        dist.barrier()  # let the others start

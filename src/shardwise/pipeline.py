@@ -134,11 +134,14 @@ class Pipeline:
 
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  loader: Iterable[Any] | None = None, *, scheduler: Any = None,
-                 loss_fn: LossFn | None = None) -> Bundle:
+                 loss_fn: LossFn | None = None,
+                 eval_loader: Iterable[Any] | None = None) -> Bundle:
         """Apply the transforms to a fresh bundle of these objects, in canonical order.
 
         The model and optimizer are changed in place (wrapped, moved, re-bound); use the
-        returned bundle's ``model``, ``optimizer`` and ``loader`` from here on.
+        returned bundle's ``model``, ``optimizer`` and ``loader`` from here on. An
+        ``eval_loader`` is distributed like ``loader`` (``bundle.eval_loader``); evaluate
+        with ``bundle.predict`` and :func:`shardwise.gather_for_metrics`.
 
         Raises:
             OptimizerError: the optimizer already holds state.
@@ -149,7 +152,8 @@ class Pipeline:
         refuse_state(optimizer)
         resolved = self.resolve(model, optimizer, loader=loader)
         ensure_process_group(self.env)
-        bundle = Bundle(model=model, optimizer=optimizer, loader=loader, scheduler=scheduler,
+        bundle = Bundle(model=model, optimizer=optimizer, loader=loader, eval_loader=eval_loader,
+                        scheduler=scheduler,
                         env=self.env, plan=Plan(on_nonfinite=self.on_nonfinite), loss_fn=loss_fn)
         for transform in resolved.transforms:
             bundle = transform(bundle)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise import precision
+from shardwise import precision as precisions
 from shardwise.data import DeviceLoader, to_device
 from shardwise.engines.base import Engine
 from shardwise.env import Env
@@ -18,7 +18,7 @@ from shardwise.errors import LossError, NonFiniteError, OptimizerError
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
 
-__all__ = ["Stepper"]
+__all__ = ["Stepper", "call_model", "predict"]
 
 
 def _loss_of(out: Any) -> torch.Tensor:
@@ -49,6 +49,34 @@ def _sum_and_count(result: tuple[Any, ...]) -> tuple[torch.Tensor, Any]:
     return result[0], count
 
 
+def call_model(model: torch.nn.Module, batch: Any) -> Any:
+    """``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple or list, else
+    ``model(batch)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def predict(model: torch.nn.Module, batch: Any, *, precision: precisions.Precision, env: Env,
+            engine: Engine, move: bool = False) -> Any:
+    """The model's output without gradients, in eval mode, at the training precision."""
+    if move and env.device.type != "cpu":
+        batch = to_device(batch, env.device)
+    autocast = None if engine.casts_parameters else precisions.autocast(precision, env.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if autocast is None:
+                return call_model(model, batch)
+            with autocast():
+                return call_model(model, batch)
+    finally:
+        model.train(was_training)
+
+
 class Stepper:
     """Runs ``Bundle.step``. Built from the bundle's fields and holding nothing that changes
     between calls (only scratch tensors it zeroes before each use): everything that must
@@ -65,7 +93,7 @@ class Stepper:
         self.scheduler, self.scaler, self.loss_fn = scheduler, scaler, loss_fn
         self.plan, self.window = plan, plan.accumulation_steps
         self.autocast = (None if engine.casts_parameters
-                         else precision.autocast(plan.precision, env.device))
+                         else precisions.autocast(plan.precision, env.device))
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         # gradients arrive averaged over ranks when a wrapper synchronises them
         self.ranks = engine.gradient_ranks(env) if dist.is_initialized() else 1
@@ -81,13 +109,7 @@ class Stepper:
             if isinstance(result, tuple):
                 return _sum_and_count(result)
             return _loss_of(result), None
-        if isinstance(batch, Mapping):
-            out = self.model(**batch)
-        elif isinstance(batch, (tuple, list)):
-            out = self.model(*batch)
-        else:
-            out = self.model(batch)
-        return _loss_of(out), None
+        return _loss_of(call_model(self.model, batch)), None
 
     def backward(self, state: TrainState,
                  batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, bool]:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
@@ -51,12 +51,16 @@ class DistributeData(Transform):
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
-        if bundle.loader is None:
-            return bundle
-        env = bundle.env
-        loader = shard_loader(bundle.loader, env, seed=self.seed, pin_memory=self.pins(env))
-        return attrs.evolve(bundle, loader=DeviceLoader(loader, env.device,
-                                                        non_blocking=self.non_blocking))
+        env, pin = bundle.env, self.pins(bundle.env)
+
+        def distributed(loader: Any) -> DeviceLoader | None:
+            if loader is None:
+                return None
+            sharded = shard_loader(loader, env, seed=self.seed, pin_memory=pin)
+            return DeviceLoader(sharded, env.device, non_blocking=self.non_blocking)
+
+        return attrs.evolve(bundle, loader=distributed(bundle.loader),
+                            eval_loader=distributed(bundle.eval_loader))
 
     def describe(self, env: Env) -> str:
         share = (f"DistributedSampler: each of {env.world_size} ranks reads 1/{env.world_size}"

@@ -44,7 +44,8 @@ def counting_hook(counter, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def train(parts, batch_size, micro_steps, *, opt="adamw", token_weighted=False, schedule=False):
+def train(parts, batch_size, micro_steps, *, opt="adamw", token_weighted=False, schedule=False,
+          size=256):
     """Train the tiny LM with ``parts``; returns parameters, all-reduce count, state, norms, lr."""
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
@@ -54,14 +55,15 @@ def train(parts, batch_size, micro_steps, *, opt="adamw", token_weighted=False, 
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if schedule \
         else None
-    data = MaskedTokens() if token_weighted else SyntheticTokens(size=256, seq_len=8)
+    data = MaskedTokens() if token_weighted else SyntheticTokens(size=size, seq_len=8)
     loader = DataLoader(data, batch_size=batch_size, shuffle=True)
     bundle = sw.pipeline(sw.detect(), *parts)(model, optimizer, loader, scheduler=scheduler,
                                                loss_fn=token_loss if token_weighted else None)
     counter = Counter()
     if isinstance(bundle.model, DistributedDataParallel):
         bundle.model.register_comm_hook(counter, counting_hook)
-    state, batches, norms = bundle.init(), iter(bundle.loader), []
+    batches = (batch for _ in range(1000) for batch in bundle.loader)  # epoch after epoch
+    state, norms = bundle.init(), []
     for _ in range(micro_steps):
         state, out = bundle.step(state, next(batches))
         if out.grad_norm is not None:
@@ -83,6 +85,13 @@ CASES = {
     "bf16": ([sw.mixed_precision("bf16")], 8, 10, {}, ([sw.mixed_precision("bf16")], 16, 10)),
     "clip": ([sw.clip_gradients(0.05)], 8, 10, {"schedule": True},
              ([sw.clip_gradients(0.05)], 16, 10)),
+    # 10 batches an epoch in windows of 4: the third window of each epoch holds 2
+    "epoch_end_mean": ([sw.accumulate_gradients(4)], 2, 20, {"opt": "sgd", "size": 40},
+                       ([sw.accumulate_gradients(4)], 4, 20)),
+    # 16 batches an epoch in windows of 3: the last window of each epoch holds 1
+    "epoch_end_token_weighted": ([sw.accumulate_gradients(3)], 2, 32,
+                                 {"opt": "sgd", "token_weighted": True},
+                                 ([sw.accumulate_gradients(3)], 4, 32)),
 }
 
 
@@ -118,6 +127,14 @@ def test_accumulate_4_equals_one_step_on_the_window_and_syncs_on_boundaries(two_
     assert max_param_diff(result["params"], references["accumulate_4"]["params"]) <= 1e-5
     assert result["state"].step == 2 and result["state"].micro_step == 8
     assert [r["accumulate_4"]["allreduces"] for r in two_ranks] == [2, 2]
+
+
+@pytest.mark.parametrize("name, steps", [("epoch_end_mean", 6), ("epoch_end_token_weighted", 12)])
+def test_windows_closing_at_epoch_ends_match_one_process(two_ranks, references, name, steps):
+    result = two_ranks[0][name]
+    assert max_param_diff(result["params"], references[name]["params"]) <= 1e-5
+    assert references[name]["state"].step == result["state"].step == steps
+    assert [r[name]["allreduces"] for r in two_ranks] == [steps, steps]
 
 
 def test_token_weighted_loss_divides_by_items_over_window_and_ranks(two_ranks, references):

@@ -169,7 +169,7 @@ def test_factories_validate_their_settings(make, message):
 
 
 def test_reprs_read_like_the_factory_call():
-    assert repr(sw.accumulate_gradients(4)) == "accumulate_gradients(steps=4)"
+    assert repr(sw.accumulate_gradients(4)) == "accumulate_gradients(steps=4, sync_with_dataloader=True)"
     assert repr(sw.replicate(bucket_mb=50)).startswith("replicate(bucket_mb=50, ")
 
 

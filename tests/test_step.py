@@ -293,12 +293,13 @@ def test_step_refuses_an_unknown_on_nonfinite():
         bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)), on_nonfinite="Skip")
 
 
-def test_accumulation_windows_run_across_epoch_ends():
+def test_accumulation_windows_run_across_epoch_ends_when_asked():
     model, opt = mlp_and_sgd()
     ref = copy.deepcopy(model)
     data = SyntheticRegression(size=12)
     loader = DataLoader(data, batch_size=4)  # 3 batches an epoch
-    bundle = sw.pipeline(ONE, sw.accumulate_gradients(2))(model, opt, loader)
+    bundle = sw.pipeline(ONE, sw.accumulate_gradients(2, sync_with_dataloader=False))(
+        model, opt, loader)
     state, seen = bundle.init(), []
     for _ in range(2):
         for batch in bundle.loader:
@@ -309,6 +310,37 @@ def test_accumulation_windows_run_across_epoch_ends():
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     order = [range(0, 8), range(8, 12), range(0, 4), range(4, 12)]  # the three windows
     for window in (order[0], list(order[1]) + list(order[2]), order[3]):
+        idx = list(window)
+        ref(data.x[idx], data.y[idx]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert max_param_diff(model, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean-loss", "token-weighted"])
+def test_a_window_closes_at_the_end_of_each_epoch_normalised_by_what_it_holds(weighted):
+    model, opt = mlp_and_sgd()
+    ref = copy.deepcopy(model)
+    data = SyntheticRegression(size=12)
+    loader = DataLoader(data, batch_size=4)  # 3 batches an epoch: windows of 2, then 1
+
+    def summed(m, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(m(x), y, reduction="sum"), y.numel()
+
+    bundle = sw.pipeline(ONE, sw.accumulate_gradients(2))(
+        model, opt, loader, loss_fn=summed if weighted else None)
+    assert "closes at the end of each epoch" in sw.pipeline(ONE, sw.accumulate_gradients(2)).explain()
+    state, seen = bundle.init(), []
+    for _ in range(2):
+        for batch in bundle.loader:
+            state, out = bundle.step(state, batch)
+            seen.append((state.epoch, state.batch_in_epoch, out.stepped))
+    assert seen == [(0, 1, False), (0, 2, True), (0, 3, True), (1, 1, False), (1, 2, True),
+                    (1, 3, True)]
+    assert state.step == 4 and state.window_batches == 0
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for window in (range(0, 8), range(8, 12)) * 2:  # the partial window: its own mean
         idx = list(window)
         ref(data.x[idx], data.y[idx]).backward()
         ref_opt.step()

@@ -106,11 +106,11 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         >>> sw.save("checkpoints", bundle, state, keep_last=3)
     """
     window = bundle.plan.accumulation_steps
-    if state.micro_step % window:
+    if state.window_batches:
         raise CheckpointError(
             f"save() at micro-step {state.micro_step} is inside an accumulation window of "
-            f"{window}: the accumulated gradients would be lost; save after a step with "
-            "out.stepped (micro_step a multiple of the window)")
+            f"{window}: the accumulated gradients would be lost; save when a window has ended "
+            "(after a step whose out.stepped is True; state.window_batches == 0)")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"save() 'keep_last' must be an integer >= 1 or None (got {keep_last!r})")
     env, root = bundle.env, Path(directory)

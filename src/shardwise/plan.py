@@ -29,6 +29,7 @@ class Plan:
     Attributes:
         precision: compute precision of the forward ("fp32", "bf16", "fp16").
         accumulation_steps: micro-batches per optimizer step.
+        close_at_epoch_end: a window also ends with an epoch of ``bundle.loader``.
         max_grad_norm: clip the total gradient norm to this, or ``None``.
         norm_type: the p of the p-norm used for clipping.
         on_nonfinite: what a NaN/inf loss or gradient does in fp32/bf16.
@@ -38,6 +39,7 @@ class Plan:
 
     precision: Precision = "fp32"
     accumulation_steps: int = 1
+    close_at_epoch_end: bool = True
     max_grad_norm: float | None = None
     norm_type: float = 2.0
     on_nonfinite: OnNonFinite = "raise"

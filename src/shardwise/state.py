@@ -27,8 +27,8 @@ class TrainState:
     ``step()`` calls; ``epoch`` and ``batch_in_epoch`` are the data position (the step
     advances it by one batch, and starts a new epoch when ``bundle.loader`` does; ``sw.load``
     positions the loader from it). Whatever must survive from one micro-batch to the next
-    lives here too (``window_items``, ``window_weighted``, ``synced``), so a step is a
-    function of ``(state, batch)`` alone.
+    lives here too (``window_batches``, ``window_items``, ``window_weighted``, ``synced``),
+    so a step is a function of ``(state, batch)`` alone.
 
     Example:
         >>> state = bundle.init()
@@ -44,6 +44,8 @@ class TrainState:
     batch_in_epoch: int = 0
     skipped_steps: int = 0
     # Within an accumulation window (never saved: checkpoints are taken between windows).
+    #: micro-batches accumulated so far in this window
+    window_batches: int = 0
     #: the items counted so far in this window, when the loss is ``(loss_sum, num_items)``
     window_items: torch.Tensor | None = attrs.field(default=None, eq=False)
     #: whether this window's losses are ``(loss_sum, num_items)``; None before its first

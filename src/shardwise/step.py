@@ -98,6 +98,9 @@ class Stepper:
         # gradients arrive averaged over ranks when a wrapper synchronises them
         self.ranks = engine.gradient_ranks(env) if dist.is_initialized() else 1
         self.loader = loader if isinstance(loader, DeviceLoader) else None
+        # batches per epoch of bundle.loader, when windows close with its epochs
+        self.epoch_length = (self.loader.epoch_length() if self.loader is not None
+                             and plan.close_at_epoch_end else None)
         self.move = loader is None and env.device.type != "cpu"
         self.device = env.device
         self.scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -173,15 +176,24 @@ class Stepper:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, unit)
         return None, found_inf.item() == 0
 
-    def update(self, state: TrainState, total: torch.Tensor | None,
+    def rescale(self, factor: float) -> None:
+        """Multiply the gradients by ``factor`` (a window that closed early)."""
+        grads = [self.engine.local(p.grad) for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
+    def update(self, state: TrainState, total: torch.Tensor | None, batches: int,
                on_nonfinite: OnNonFinite) -> tuple[torch.Tensor | None, bool]:
-        """Finish the window: normalise, unscale, clip, step. Returns (norm, skipped)."""
+        """Finish a window of ``batches`` micro-batches: normalise, unscale, clip, step.
+        Returns (norm, skipped)."""
         optimizer = self.optimizer
         stepping = self.engine.stepping_optimizer(optimizer)
         if self.scaler is not None:
             self.scaler.unscale_(stepping)
         if total is not None:
             self.normalise(total)
+        elif batches < self.window:  # each loss was divided by the full window
+            self.rescale(self.window / batches)
         norm, finite = self.check_grads()
         skipped = not finite
         if self.scaler is not None:
@@ -212,8 +224,9 @@ class Stepper:
              on_nonfinite: OnNonFinite | None) -> tuple[TrainState, StepOutput]:
         if on_nonfinite is not None:
             check_on_nonfinite(on_nonfinite, "step()", allow_none=True)
-        micro = state.micro_step + 1
-        boundary = micro % self.window == 0
+        micro, batches = state.micro_step + 1, state.window_batches + 1
+        epoch, batch_in_epoch = self.position(state)
+        boundary = batches == self.window or batch_in_epoch == self.epoch_length
         if self.move:
             batch = to_device(batch, self.device)
         no_sync = None if boundary else self.engine.no_sync(self.model, state)
@@ -224,11 +237,12 @@ class Stepper:
                 loss, total, weighted = self.backward(state, batch)
         norm, skipped = None, False
         if boundary:
-            norm, skipped = self.update(state, total, on_nonfinite or self.plan.on_nonfinite)
-        epoch, batch_in_epoch = self.position(state)
+            norm, skipped = self.update(state, total, batches,
+                                        on_nonfinite or self.plan.on_nonfinite)
         next_state = TrainState(
             step=state.step + boundary, micro_step=micro, epoch=epoch,
             batch_in_epoch=batch_in_epoch, skipped_steps=state.skipped_steps + skipped,
+            window_batches=0 if boundary else batches,
             window_items=None if boundary else total,
             window_weighted=None if boundary else weighted,
             synced=state.synced or no_sync is None)

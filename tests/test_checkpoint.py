@@ -430,3 +430,51 @@ def test_zero1_with_frozen_parameters_loads_in_one_process(tmp_path):
     one = sw.pipeline(sw.Env())(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     assert sw.load(tmp_path, one).step == 1
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
+def epochs_loop(bundle, state, epochs, stop_at=None):
+    """The loop the docs give, for a fresh and a resumed run alike; ``stop_at`` micro-steps
+    interrupts it (a job ended there)."""
+    for _ in range(state.epoch, epochs):
+        for batch in bundle.loader:
+            state, _ = bundle.step(state, batch)
+            if state.micro_step == stop_at:
+                return state
+    return state
+
+
+# 6 batches an epoch on 2 ranks, windows of 2, 3 epochs: 18 micro-steps
+SAVE_POINTS = {"mid-epoch": 10, "end of epoch": 12, "end of training": 18}
+
+
+def resume_from_each_save_point(root):
+    out = {}
+    for name, parts in {"replicate": [sw.replicate()], "shard": [sw.shard()]}.items():
+        bundle = build(parts)
+        torch.manual_seed(1234)
+        whole = epochs_loop(bundle, bundle.init(), 3)
+        out[name, "whole"] = (whole, full_state(bundle.model))
+        for point, stop in SAVE_POINTS.items():
+            path = os.path.join(root, name, point.replace(" ", "_"))
+            bundle = build(parts)
+            torch.manual_seed(1234)
+            sw.save(path, bundle, epochs_loop(bundle, bundle.init(), 3, stop_at=stop))
+            again = build(parts)
+            state = sw.load(path, again)
+            agree = (state.epoch, state.batch_in_epoch) == (again.loader._next_epoch,
+                                                              again.loader._resume_at)
+            final = epochs_loop(again, state, 3)
+            out[name, point] = (final, full_state(again.model), agree)
+    return out
+
+
+def test_the_documented_loop_resumes_from_every_save_point_as_if_uninterrupted(tmp_path):
+    for rank_result in run_distributed(resume_from_each_save_point, str(tmp_path), timeout=300):
+        for name in ("replicate", "shard"):
+            whole, params = rank_result[name, "whole"]
+            assert (whole.step, whole.micro_step, whole.epoch) == (9, 18, 3)
+            for point in SAVE_POINTS:
+                final, got, agree = rank_result[name, point]
+                assert agree, (name, point)  # state and loader say the same position
+                assert final == whole, (name, point, final)  # no extra epoch, no lost batch
+                assert all(torch.equal(got[k], params[k]) for k in params), (name, point)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -324,8 +325,7 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
         bundle.scaler.load_state_dict(meta["scaler"])
     _restore_rng(path, bundle, meta)
     state = TrainState.from_dict(meta["train_state"])
-    _position_loader(bundle, state, meta["data"].get("seed"))
-    return state
+    return _position_loader(bundle, state, meta["data"].get("seed"))
 
 
 def _restore_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
@@ -338,18 +338,19 @@ def _restore_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
     _rng.restore(json.loads(rank_file.read_text()))
 
 
-def _position_loader(bundle: Bundle, state: TrainState, seed: int | None) -> None:
-    """Position the bundle's loader at the state's data position: the next batch of its
-    epoch, or the start of the next epoch when that one was finished."""
+def _position_loader(bundle: Bundle, state: TrainState, seed: int | None) -> TrainState:
+    """Position the bundle's loader at the state's data position (the next batch of its
+    epoch; a finished epoch E is position (E + 1, 0)); the state, so normalised."""
     loader = bundle.loader
     if not isinstance(loader, DeviceLoader):
-        return
+        return state
     if seed is not None and loader.seed is not None and seed != loader.seed:
         raise CheckpointError(
             f"the checkpoint's data order used sampler seed {seed}, this loader uses "
             f"{loader.seed}; pass distribute_data(seed={seed}) to resume the same order")
     epoch, done = state.epoch, state.batch_in_epoch
     length = loader.epoch_length()
-    if length is not None and done >= length:
+    if length is not None and done >= length:  # written by a release that kept (E, length)
         epoch, done = epoch + 1, 0
     loader.resume(epoch, done)
+    return attrs.evolve(state, epoch=epoch, batch_in_epoch=done)

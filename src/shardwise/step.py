@@ -98,9 +98,8 @@ class Stepper:
         # gradients arrive averaged over ranks when a wrapper synchronises them
         self.ranks = engine.gradient_ranks(env) if dist.is_initialized() else 1
         self.loader = loader if isinstance(loader, DeviceLoader) else None
-        # batches per epoch of bundle.loader, when windows close with its epochs
-        self.epoch_length = (self.loader.epoch_length() if self.loader is not None
-                             and plan.close_at_epoch_end else None)
+        # batches per epoch of bundle.loader (None: unknown, no epoch ends are seen)
+        self.epoch_length = self.loader.epoch_length() if self.loader is not None else None
         self.move = loader is None and env.device.type != "cpu"
         self.device = env.device
         self.scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -212,21 +211,26 @@ class Stepper:
         optimizer.zero_grad(set_to_none=True)
         return norm, skipped
 
-    def position(self, state: TrainState) -> tuple[int, int]:
-        """The data position after this batch: one batch on, or the start of the epoch the
-        loader has just begun."""
+    def position(self, state: TrainState) -> tuple[int, int, bool]:
+        """The data position after this batch, and whether it ended an epoch: one batch on
+        (the first of the epoch the loader has just begun, if it began one). The end of
+        epoch E is position (E + 1, 0), where the loader goes on."""
         loader = self.loader
         if loader is not None and loader.epoch != state.epoch:
-            return loader.epoch, loader.batch_in_epoch
-        return state.epoch, state.batch_in_epoch + 1
+            epoch, done = loader.epoch, loader.batch_in_epoch
+        else:
+            epoch, done = state.epoch, state.batch_in_epoch + 1
+        if done == self.epoch_length:
+            return epoch + 1, 0, True
+        return epoch, done, False
 
     def step(self, state: TrainState, batch: Any,
              on_nonfinite: OnNonFinite | None) -> tuple[TrainState, StepOutput]:
         if on_nonfinite is not None:
             check_on_nonfinite(on_nonfinite, "step()", allow_none=True)
         micro, batches = state.micro_step + 1, state.window_batches + 1
-        epoch, batch_in_epoch = self.position(state)
-        boundary = batches == self.window or batch_in_epoch == self.epoch_length
+        epoch, batch_in_epoch, epoch_end = self.position(state)
+        boundary = batches == self.window or (epoch_end and self.plan.close_at_epoch_end)
         if self.move:
             batch = to_device(batch, self.device)
         no_sync = None if boundary else self.engine.no_sync(self.model, state)

@@ -4,7 +4,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -25,8 +28,9 @@ def init_on_meta(factory: Callable[[], M], *, env: Env | None = None) -> M:
     weights from rank 0: sharded ranks receive only their shards.
 
     Args:
-        factory: builds the model (e.g. ``lambda: AutoModelForCausalLM.from_pretrained(p)``
-            on rank 0 works too: it is only called for real there).
+        factory: builds the model, e.g. ``lambda: AutoModelForCausalLM.from_pretrained(p)``:
+            rank 0 loads the weights; on the other ranks Transformers' ``from_pretrained``
+            reads only the config and builds the same model on the meta device.
         env: defaults to :func:`shardwise.detect`.
 
     Example:
@@ -37,10 +41,46 @@ def init_on_meta(factory: Callable[[], M], *, env: Env | None = None) -> M:
     if env.is_main:
         model = factory()
     else:
-        with torch.device("meta"):
+        with torch.device("meta"), _from_pretrained_on_meta():
             model = factory()
     setattr(model, _MARK, True)
     return model
+
+
+@contextlib.contextmanager
+def _from_pretrained_on_meta() -> Iterator[None]:
+    """Inside it, Transformers' ``from_pretrained`` builds the model from its config alone,
+    on the meta device, reading no weight file (and not refusing the meta device, as
+    Transformers 5 does when called under one)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:  # the factory cannot call it without importing it first
+        try:
+            import transformers
+        except ImportError:
+            yield
+            return
+    library: Any = transformers
+    base = library.PreTrainedModel
+    original = base.__dict__["from_pretrained"]
+    major = int(str(library.__version__).split(".")[0])
+
+    def from_config(cls: Any, path: str | os.PathLike[str], *args: Any, config: Any = None,
+                    **kwargs: Any) -> Any:
+        if config is None or isinstance(config, (str, os.PathLike)):
+            config = cls.config_class.from_pretrained(config or path)
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        if dtype is None and major < 5:  # 4.x loads in torch's default dtype, 5.x as saved
+            dtype = torch.get_default_dtype()
+        options = {} if dtype in (None, "auto") else {"dtype" if major >= 5 else "torch_dtype": dtype}
+        model = cls._from_config(config, **options)
+        model.eval()  # as from_pretrained returns it
+        return model
+
+    base.from_pretrained = classmethod(from_config)
+    try:
+        yield
+    finally:
+        base.from_pretrained = original
 
 
 def is_rank0_weights(model: nn.Module) -> bool:

@@ -1,8 +1,10 @@
 # Fixtures and helpers shared by the test modules (importable from spawned ranks: `conftest`).
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import shardwise as sw
+from shardwise.testing import SyntheticTokens, TinyTransformerLM
 
 #: one process on the CPU, whatever this machine has
 ONE = sw.Env()
@@ -24,6 +26,19 @@ def masked_micro_batches(count=3, size=2, seq=10, vocab=32, seed=0):
     labels[torch.rand(labels.shape, generator=gen) < 0.5] = -100
     return [{"input_ids": ids[i:i + size], "labels": labels[i:i + size]}
             for i in range(0, count * size, size)]
+
+
+def build_lm(parts, batch_size=4, accumulate=2):
+    """A tiny LM with dropout, AdamW, a StepLR schedule and a shuffled, drop_last loader of 48
+    samples (6 batches an epoch on 2 ranks), under ``parts`` and ``accumulate_gradients``."""
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2, dropout=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    loader = DataLoader(SyntheticTokens(size=48, seq_len=8), batch_size=batch_size, shuffle=True,
+                        drop_last=True)
+    pipe = sw.pipeline(sw.detect(), *parts, sw.accumulate_gradients(accumulate))
+    return pipe(model, opt, loader, scheduler=sched)
 
 
 def train_for(bundle, state, micro_steps):

@@ -17,19 +17,8 @@ from shardwise.testing import (
     run_distributed,
 )
 
+from conftest import build_lm as build
 from conftest import train_for
-
-
-def build(parts, batch_size=4, accumulate=2):
-    torch.manual_seed(0)
-    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2, dropout=0.1)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
-    loader = DataLoader(SyntheticTokens(size=48, seq_len=8), batch_size=batch_size, shuffle=True,
-                        drop_last=True)
-    pipe = sw.pipeline(sw.detect(), *parts, sw.accumulate_gradients(accumulate))
-    return pipe(model, opt, loader, scheduler=sched)
-
 
 LAYOUTS = {"replicate": [sw.replicate()], "shard": [sw.shard()],
            "zero1": [sw.replicate(), sw.shard_optimizer()]}

@@ -21,6 +21,8 @@ from shardwise.data import to_device
 from shardwise.distributed import ensure_process_group, main_process_first
 from shardwise.env import CONFIG_ENV_VAR, Env, detect
 from shardwise.export import export
+from shardwise.fit import fit
+from shardwise.loggers import Logger, TensorBoardLogger
 from shardwise.memory import MemoryEstimate, estimate_memory
 from shardwise.meta_init import init_on_meta
 from shardwise.metrics import gather_for_metrics, reduce
@@ -50,10 +52,12 @@ __all__ = [
     "CONFIG_ENV_VAR",
     "Bundle",
     "Env",
+    "Logger",
     "MemoryEstimate",
     "Pipeline",
     "Plan",
     "StepOutput",
+    "TensorBoardLogger",
     "TrainState",
     "Transform",
     "__version__",
@@ -70,6 +74,7 @@ __all__ = [
     "load",
     "estimate_memory",
     "export",
+    "fit",
     "from_config",
     "from_ddp_args",
     "gather_for_metrics",

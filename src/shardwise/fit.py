@@ -1,0 +1,131 @@
+# sw.fit: the training loop, built only from the public pieces (step, save/load, reduce, predict).
+"""A loop that gets the whole run right: resume, windows, logging, checkpoints, evaluation.
+
+It is short on purpose: copy it and change what you need. Everything it does is public:
+``bundle.step``, ``sw.load``/``sw.save``, ``sw.reduce``, ``sw.latest_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from shardwise.bundle import Bundle
+from shardwise.checkpoint import latest_checkpoint, load, save
+from shardwise.loggers import Logger
+from shardwise.metrics import reduce
+from shardwise.state import TrainState
+
+__all__ = ["fit"]
+
+log = logging.getLogger(__name__)
+
+
+def _count(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"fit() '{name}' must be an integer >= 1 or None (got {value!r})")
+
+
+def _bar(bundle: Bundle, state: TrainState, steps: int | None, show: bool) -> Any:
+    """A tqdm bar of optimizer steps on the main process, or None."""
+    if not show or not bundle.env.is_main:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps, initial=state.step, unit="step", dynamic_ncols=True)
+
+
+def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
+        state: TrainState | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None, keep_last: int | None = None,
+        eval_fn: Callable[[Bundle], Mapping[str, float]] | None = None,
+        eval_every: int | None = None, log_every: int | None = 10,
+        loggers: Iterable[Logger] = (), progress: bool = True) -> TrainState:
+    """Train ``bundle`` for ``epochs`` epochs of ``bundle.loader`` and/or ``steps`` optimizer
+    steps (whichever ends first), and return the final state.
+
+    With ``checkpoint_dir`` it resumes from the newest complete checkpoint there (unless
+    ``state`` is given), saves every ``checkpoint_every`` optimizer steps and at the end,
+    and on Ctrl-C saves the last completed optimizer step before re-raising. Every
+    ``log_every`` optimizer steps the mean loss over those steps and all ranks (one
+    reduction) goes to Python logging, the progress bar and ``loggers``; ``eval_fn(bundle)``
+    returns metrics, run every ``eval_every`` steps and at the end. Every rank calls it.
+
+    Example:
+        >>> bundle = sw.pipeline(sw.detect())(model, optimizer, loader, eval_loader=val)
+        >>> state = sw.fit(bundle, epochs=3, checkpoint_dir="ckpt", checkpoint_every=500)
+    """
+    if epochs is None and steps is None:
+        raise ValueError("fit() needs 'epochs' or 'steps' (got neither)")
+    for name, value in (("epochs", epochs), ("steps", steps), ("checkpoint_every",
+                        checkpoint_every), ("eval_every", eval_every), ("log_every", log_every)):
+        _count(name, value)
+    if bundle.loader is None:
+        raise ValueError("fit() needs a bundle with a loader: pass one to the pipeline call")
+    if state is None:
+        resumable = checkpoint_dir is not None and latest_checkpoint(checkpoint_dir) is not None
+        state = load(checkpoint_dir, bundle) if resumable else bundle.init()  # type: ignore[arg-type]
+    loggers = list(loggers) if bundle.env.is_main else []
+    bar = _bar(bundle, state, steps, progress)
+    losses: list[torch.Tensor] = []
+    boundary, saved, evaluated = state, -1, -1
+
+    def record(metrics: Mapping[str, float]) -> None:
+        log.info("step %d: %s", boundary.step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        for logger in loggers:
+            logger.log(metrics, boundary.step)
+
+    def checkpoint() -> None:
+        nonlocal saved
+        if checkpoint_dir is not None and saved != boundary.step:
+            save(checkpoint_dir, bundle, boundary, keep_last=keep_last)
+            saved = boundary.step
+
+    def evaluate() -> None:
+        nonlocal evaluated
+        if eval_fn is not None and evaluated != boundary.step:
+            record({f"eval/{k}": float(v) for k, v in eval_fn(bundle).items()})
+            evaluated = boundary.step
+
+    try:
+        epochs_left = range(state.epoch, epochs) if epochs is not None else itertools.count()
+        for _ in epochs_left:
+            if steps is not None and boundary.step >= steps:
+                break
+            for batch in bundle.loader:
+                state, out = bundle.step(state, batch)
+                losses.append(out.loss)
+                if state.window_batches:
+                    continue  # inside a window: nothing is finished yet
+                boundary = state
+                if bar is not None:
+                    bar.update(1)
+                if log_every and state.step % log_every == 0:
+                    loss = float(reduce(torch.stack(losses).float().mean()))
+                    losses.clear()
+                    record({"train/loss": loss, "train/lr": out.lr or 0.0})
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{loss:.4g}", lr=f"{out.lr or 0.0:.3g}")
+                if checkpoint_every and state.step % checkpoint_every == 0:
+                    checkpoint()
+                if eval_every and state.step % eval_every == 0:
+                    evaluate()
+                if steps is not None and state.step >= steps:
+                    break
+        evaluate()
+        checkpoint()
+    except KeyboardInterrupt:
+        log.warning("interrupted at step %d: saving the last completed step", boundary.step)
+        checkpoint()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        for logger in loggers:
+            logger.close()
+    return boundary

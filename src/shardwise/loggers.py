@@ -1,0 +1,49 @@
+# Loggers for sw.fit: a two-method protocol, and TensorBoard built in.
+"""Where ``sw.fit`` sends its metrics besides Python logging.
+
+Any object with ``log(metrics, step)`` and ``close()`` is a logger; ``fit`` calls them on the
+main process only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Logger", "TensorBoardLogger"]
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """What ``sw.fit(loggers=...)`` calls: ``log`` every ``log_every`` steps and after each
+    evaluation, ``close`` once at the end."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Record ``metrics`` (name -> number) at optimizer step ``step``."""
+
+    def close(self) -> None:
+        """Flush and release whatever the logger holds."""
+
+
+class TensorBoardLogger:
+    """Scalars to TensorBoard through ``torch.utils.tensorboard`` (needs ``tensorboard``).
+
+    Example:
+        >>> sw.fit(bundle, steps=1000, loggers=[sw.TensorBoardLogger("runs/exp1")])
+    """
+
+    def __init__(self, log_dir: str = "runs") -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(f"TensorBoardLogger needs the tensorboard package ({exc}); "
+                              "pip install tensorboard, or pass another logger") from None
+        self.log_dir = log_dir
+        self._writer: Any = SummaryWriter(log_dir=log_dir)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self._writer.close()

@@ -42,3 +42,24 @@ def test_example_trains_and_the_loss_falls(procs):
         assert "DistributedDataParallel over 2 ranks (gloo)" in out
         assert "(torchrun)" in out
     assert "has NOT been destroyed" not in err and "Traceback" not in err, err
+
+
+FINETUNE = EXAMPLE.parent / "finetune_classifier.py"
+
+
+def test_finetune_example_evaluates_exactly_and_resumes_on_two_processes(tmp_path):
+    pytest.importorskip("transformers")
+
+    def torchrun(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(FINETUNE),
+               *args]
+        return run(cmd)[0]
+
+    straight = torchrun("--epochs", "3", "--checkpoint-dir", str(tmp_path / "a"))
+    torchrun("--epochs", "2", "--checkpoint-dir", str(tmp_path / "b"))
+    resumed = torchrun("--epochs", "3", "--checkpoint-dir", str(tmp_path / "b"))
+    final = re.findall(r"epoch 3 step \d+: accuracy (\d\.\d+) over (\d+) samples on 2", straight)
+    assert final and final[0][1] == "203"  # no padded sample counted twice
+    assert float(final[0][0]) > 0.8, straight
+    assert resumed.strip().splitlines()[-1] == straight.strip().splitlines()[-1]

@@ -127,3 +127,9 @@ def first_then_others(path):
 def test_main_process_first_lets_the_others_in_after_it(tmp_path):
     path = str(tmp_path / "prepared.txt")
     assert run_distributed(first_then_others, path, world_size=2) == [True, True]
+
+
+def test_explain_says_where_shardwise_differs_from_accelerate():
+    text = sw.pipeline(ONE, sw.mixed_precision("bf16")).explain()
+    assert "scheduler: steps once per optimizer step" in text
+    assert "bundle.predict runs at the training precision" in text

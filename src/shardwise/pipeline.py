@@ -129,6 +129,11 @@ class Pipeline:
                          f"{SAFE_FRACTION:.0%} of device memory, else shard, else shard + "
                          "checkpoint_activations, else also offload; explain(model) shows it")
         lines.append(f"  non-finite loss/gradient in fp32/bf16: {self.on_nonfinite}")
+        # where shardwise deliberately differs from Accelerate, explain() says so
+        lines.append("  scheduler: steps once per optimizer step (an Accelerate-prepared one "
+                     "steps once per process per optimizer step)")
+        lines.append("  evaluation: bundle.predict runs at the training precision; a bare "
+                     "model(...) call outside step()/predict() runs without autocast")
         lines += [f"  notice: {note}" for note in self.notes]
         return "\n".join(lines)
 

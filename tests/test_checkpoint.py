@@ -467,3 +467,51 @@ def test_the_documented_loop_resumes_from_every_save_point_as_if_uninterrupted(t
                 assert agree, (name, point)  # state and loader say the same position
                 assert final == whole, (name, point, final)  # no extra epoch, no lost batch
                 assert all(torch.equal(got[k], params[k]) for k in params), (name, point)
+
+
+def test_keep_last_never_deletes_the_users_own_copies(tmp_path):
+    import shutil
+
+    bundle = build([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+    sw.save(tmp_path, bundle, state)
+    for copy in ("step_00000001.bak", "step_best", "step_00000000"):  # the user's copies
+        shutil.copytree(tmp_path / "step_00000001", tmp_path / copy)
+    for _ in range(3):
+        state, _ = train_for(bundle, state, 1)
+        sw.save(tmp_path, bundle, state, keep_last=1)
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["latest", "step_00000000", "step_00000001.bak", "step_00000004", "step_best"]
+
+
+def test_a_damaged_or_foreign_latest_marker_falls_back_to_the_newest_checkpoint(tmp_path):
+    bundle = build([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+    sw.save(tmp_path / "run", bundle, state)
+    state, _ = train_for(bundle, state, 1)
+    newest = sw.save(tmp_path / "run", bundle, state)
+    sw.save(tmp_path / "other_run", bundle, state)
+    marker = tmp_path / "run" / "latest"
+    for content in (b"\xff\xfe\x00garbage", b"../other_run/step_00000002", b"step_00000001/..",
+                    str(tmp_path / "other_run" / "step_00000002").encode(), b"step_00000009"):
+        marker.write_bytes(content)
+        assert sw.latest_checkpoint(tmp_path / "run") == newest, content
+    assert sw.load(tmp_path / "run", bundle).step == 2
+
+
+def test_a_missing_or_corrupt_rng_file_fails_the_load_before_anything_changes(tmp_path):
+    bundle = build([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 2)
+    path = sw.save(tmp_path, bundle, state)
+    train_for(bundle, state, 2)
+    before = full_state(bundle.model)
+    rng = path / "rng" / "rank_00000.json"
+    for damage in ("{not json", '{"torch": "AAAA", "python": [3, [], null]}', None):
+        if damage is None:
+            rng.unlink()
+        else:
+            rng.write_text(damage)
+        with pytest.raises(CheckpointError, match="rank_00000.json"):
+            sw.load(tmp_path, bundle)
+        after = full_state(bundle.model)
+        assert all(torch.equal(after[k], before[k]) for k in before)  # nothing restored

@@ -346,3 +346,35 @@ def test_static_graph_resumed_mid_run_and_counts_left_untouched(others):
 
 def test_nan_in_one_ranks_shard_is_skipped_by_every_rank(others):
     assert [r["sharded_nan"] for r in others] == [{"skipped": (1, False), "finite": True}] * 2
+
+
+def nan_loss_on_rank_1(policy, parts):
+    """Rank 1's loss is NaN with finite (zero) gradients; rank 0's is a normal loss."""
+    from shardwise.testing import TinyMLP
+
+    env = sw.detect()
+    torch.manual_seed(0)
+    model = TinyMLP()
+    bundle = sw.pipeline(env, *parts, on_nonfinite=policy)(
+        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0])[: len(b[0]) * (1 - env.rank)],
+                                                          b[1][: len(b[0]) * (1 - env.rank)]))
+    before = {k: v.clone() for k, v in unwrap(bundle.model).state_dict().items()}
+    batch = (torch.randn(4, 8), torch.randn(4, 1))
+    try:
+        state, _ = bundle.step(bundle.init(), batch)
+        outcome = f"skipped {state.skipped_steps}"
+    except NonFiniteError:
+        outcome = "raised"
+    after = unwrap(bundle.model).state_dict()
+    return outcome, all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("parts", [[sw.replicate()], [sw.shard(sw.by_class("Linear"))]],
+                         ids=["replicate", "shard"])
+def test_a_non_finite_loss_on_one_rank_is_seen_by_every_rank(parts):
+    for policy, expected in (("raise", "raised"), ("skip", "skipped 1")):
+        results = run_distributed(nan_loss_on_rank_1, policy, parts, world_size=2)
+        assert [r[0] for r in results] == [expected, expected], policy
+        if parts[0].factory_name == "replicate":
+            assert all(unchanged for _, unchanged in results)

@@ -95,3 +95,16 @@ def test_fit_writes_tensorboard_scalars(tmp_path):
 def test_fit_refuses_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         sw.fit(build_lm([], accumulate=1), **kwargs)
+
+
+def test_fit_on_an_empty_loader_says_so():
+    from torch.utils.data import DataLoader
+
+    from shardwise.testing import SyntheticRegression, TinyMLP
+
+    model = TinyMLP()
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   DataLoader(SyntheticRegression(size=3), batch_size=4,
+                                              drop_last=True))
+    with pytest.raises(ValueError, match="yielded no batch in an epoch"):
+        sw.fit(bundle, steps=5, progress=False)

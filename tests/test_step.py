@@ -347,3 +347,42 @@ def test_a_window_closes_at_the_end_of_each_epoch_normalised_by_what_it_holds(we
         ref_opt.step()
         ref_opt.zero_grad()
     assert max_param_diff(model, ref) <= 1e-6
+
+
+def empty_batch_loss(model, batch):
+    """A mean over no labelled item: the loss is NaN, every gradient finite (zero)."""
+    x, y = batch
+    pred = model(x)
+    keep = torch.zeros(len(y), dtype=torch.bool)
+    return torch.nn.functional.mse_loss(pred[keep], y[keep])
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_non_finite_loss_with_finite_gradients_is_caught_like_a_gradient(policy):
+    model, opt = mlp_and_sgd()
+    before = copy.deepcopy(model)
+    bundle = sw.pipeline(ONE, on_nonfinite=policy)(model, opt, loss_fn=empty_batch_loss)
+    batch = (torch.randn(4, 8), torch.randn(4, 1))
+    if policy == "raise":
+        with pytest.raises(NonFiniteError, match="non-finite loss or item count"):
+            bundle.step(bundle.init(), batch)
+    else:
+        state, out = bundle.step(bundle.init(), batch)
+        assert state.skipped_steps == 1 and not out.stepped
+    assert max_param_diff(model, before) == 0.0  # nothing applied
+
+
+@pytest.mark.parametrize("count, error", [(-4, LossError), (float("nan"), LossError),
+                                          (torch.tensor(-4.0), NonFiniteError),
+                                          (torch.tensor(float("inf")), NonFiniteError)])
+def test_a_negative_or_non_finite_item_count_is_refused(count, error):
+    model, opt = mlp_and_sgd()
+    before = copy.deepcopy(model)
+
+    def counted(m, batch):
+        return torch.nn.functional.mse_loss(m(batch[0]), batch[1], reduction="sum"), count
+
+    bundle = sw.pipeline(ONE)(model, opt, loss_fn=counted)
+    with pytest.raises(error):
+        bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)))
+    assert max_param_diff(model, before) == 0.0

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture", "restore"]
+__all__ = ["capture", "restore", "check"]
 
 
 def _encode(state: torch.Tensor) -> str:
@@ -48,3 +48,15 @@ def restore(state: dict[str, Any]) -> None:
 
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def check(state: Any) -> None:
+    """Raise ValueError unless :func:`restore` accepts ``state``; changes nothing."""
+    saved = capture()
+    try:
+        restore(state)
+    except Exception as exc:
+        raise ValueError(f"not RNG states written by shardwise ({type(exc).__name__}: "
+                         f"{str(exc)[:80]})") from None
+    finally:
+        restore(saved)

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -129,7 +130,8 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         raise CheckpointError(f"cannot create checkpoint directory {tmp}: {problem or 'on rank 0'}")
     fresh = bundle.optimizer is not None and not bundle.optimizer.state
     model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
-    meta = {"format": FORMAT, "train_state": state.to_dict(), "world_size": env.world_size,
+    meta = {"format": FORMAT, "name": final.name, "train_state": state.to_dict(),
+            "world_size": env.world_size,
             "data": _data_position(bundle, state),
             "optimizer": plain(other, "the optimizer's hyperparameters"),
             "scheduler": plain(bundle.scheduler.state_dict(), "the scheduler's state")
@@ -202,6 +204,28 @@ def _is_complete(path: Path) -> bool:
     return (path / META).is_file() and (path / ".metadata").is_file()
 
 
+_STEP_NAME = re.compile(r"step_\d{8}")
+_MAX_META_BYTES = 16 * 2**20
+
+
+def _is_ours(path: Path) -> bool:
+    """Whether ``path`` is a complete checkpoint shardwise published under this very name:
+    its ``shardwise.json`` records the name (a user's copy, ``step_00000002.bak`` or
+    ``step_best``, records another one). Checkpoints from before the name was recorded
+    count when their own name is exactly ``step_NNNNNNNN``."""
+    if not path.is_dir() or not _is_complete(path):
+        return False
+    try:
+        if (path / META).stat().st_size > _MAX_META_BYTES:
+            return False
+        recorded = json.loads((path / META).read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if recorded is None:
+        return _STEP_NAME.fullmatch(path.name) is not None
+    return bool(recorded == path.name)
+
+
 def _step_of(path: Path) -> int:
     try:
         return int(path.name.removeprefix("step_"))
@@ -210,21 +234,44 @@ def _step_of(path: Path) -> int:
 
 
 def _complete_steps(root: Path) -> list[Path]:
-    """Complete ``step_*`` checkpoints, oldest step first."""
-    steps = [p for p in root.glob("step_*") if p.is_dir() and _is_complete(p)]
+    """The checkpoints shardwise published in ``root``, oldest step first."""
+    steps = [p for p in root.glob("step_*") if _is_ours(p)]
     return sorted(steps, key=_step_of)
 
 
+def _marked(root: Path) -> Path | None:
+    """The checkpoint ``root/latest`` names, if the marker is intact, names a checkpoint
+    directly in ``root`` and that checkpoint is complete; else None (with a warning)."""
+    marker = root / LATEST
+    if not marker.is_file():
+        return None
+    try:
+        with open(marker, "rb") as stream:
+            name = stream.read(64).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("ignoring the damaged marker %s (%s); using the newest complete "
+                    "checkpoint", marker, exc)
+        return None
+    if _STEP_NAME.fullmatch(name) is None or not _is_ours(root / name):
+        log.warning("ignoring the marker %s: it names %r, not a complete checkpoint in %s; "
+                    "using the newest complete one", marker, name[:40], root)
+        return None
+    return root / name
+
+
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``directory`` (or ``directory`` itself), or None."""
+    """The newest complete checkpoint under ``directory`` (or ``directory`` itself), or None.
+
+    ``directory/latest`` is followed only to a complete checkpoint directly inside
+    ``directory``; a damaged or foreign marker is ignored (with a warning) for the newest
+    complete checkpoint.
+    """
     root = Path(directory)
     if _is_complete(root):
         return root
-    marker = root / LATEST
-    if marker.is_file():
-        named = root / marker.read_text().strip()
-        if _is_complete(named):
-            return named
+    marked = _marked(root)
+    if marked is not None:
+        return marked
     complete = _complete_steps(root)
     return complete[-1] if complete else None
 
@@ -305,7 +352,17 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
         raise CheckpointError(f"no complete checkpoint in {directory} (a complete one holds "
                               f"{META} and DCP's .metadata; hidden .tmp.* directories are "
                               "interrupted saves)")
-    meta = _read_meta(path)
+    ok, problem, meta, state, rng = True, "", {}, TrainState(), None
+    try:  # everything JSON is read and checked on every rank before anything is changed
+        meta = _read_meta(path)
+        state = TrainState.from_dict(meta["train_state"])
+        rng = _read_rng(path, bundle, meta)
+    except (CheckpointError, KeyError, TypeError, ValueError) as exc:
+        ok, problem = False, str(exc) if isinstance(exc, CheckpointError) else \
+            f"{path / META} is malformed ({type(exc).__name__}: {exc})"
+    if not all_agree(bundle.env, ok):
+        raise CheckpointError(problem or f"loading {path} failed on another rank; nothing "
+                              "was restored")
     reader = SafeReader(path)
     engine = bundle.engine
     model_sd, tensors, _ = engine.state_dicts(bundle.model, bundle.optimizer)
@@ -323,19 +380,30 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
         bundle.scheduler.load_state_dict(meta["scheduler"])
     if bundle.scaler is not None and meta.get("scaler") is not None:
         bundle.scaler.load_state_dict(meta["scaler"])
-    _restore_rng(path, bundle, meta)
-    state = TrainState.from_dict(meta["train_state"])
+    if rng is not None:
+        _rng.restore(rng)
     return _position_loader(bundle, state, meta["data"].get("seed"))
 
 
-def _restore_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
-    rank_file = path / "rng" / f"rank_{bundle.env.rank:05d}.json"
-    if meta["world_size"] != bundle.env.world_size or not rank_file.is_file():
+def _read_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """This rank's saved RNG states, or None when the world size changed (then they cannot
+    be matched to ranks: logged). A missing or unreadable file is an error naming it."""
+    if meta["world_size"] != bundle.env.world_size:
         log.warning("checkpoint %s was written by %d rank(s), this run has %d: random "
                     "generators are not restored (dropout and shuffling continue from the "
                     "seeds, not bit for bit)", path, meta["world_size"], bundle.env.world_size)
-        return
-    _rng.restore(json.loads(rank_file.read_text()))
+        return None
+    rank_file = path / "rng" / f"rank_{bundle.env.rank:05d}.json"
+    try:
+        data = json.loads(rank_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{rank_file} is missing or corrupt ({type(exc).__name__}); "
+                              "the random generators of this rank cannot be restored") from None
+    try:
+        _rng.check(data)
+    except ValueError as exc:
+        raise CheckpointError(f"{rank_file}: {exc}") from None
+    return data
 
 
 def _position_loader(bundle: Bundle, state: TrainState, seed: int | None) -> TrainState:

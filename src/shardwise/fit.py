@@ -97,9 +97,11 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
         for _ in epochs_left:
             if steps is not None and boundary.step >= steps:
                 break
+            before = state.micro_step
             for batch in bundle.loader:
                 state, out = bundle.step(state, batch)
-                losses.append(out.loss)
+                if log_every:
+                    losses.append(out.loss)
                 if state.window_batches:
                     continue  # inside a window: nothing is finished yet
                 boundary = state
@@ -117,6 +119,9 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
                     evaluate()
                 if steps is not None and state.step >= steps:
                     break
+            if state.micro_step == before:
+                raise ValueError("fit(): bundle.loader yielded no batch in an epoch; check the "
+                                 "dataset's length against the batch size and world size")
         evaluate()
         checkpoint()
     except KeyboardInterrupt:

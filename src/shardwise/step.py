@@ -113,10 +113,10 @@ class Stepper:
             return _loss_of(result), None
         return _loss_of(call_model(self.model, batch)), None
 
-    def backward(self, state: TrainState,
-                 batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-        """Forward and backward of one micro-batch: the loss to report, and the window's item
-        count and form with this micro-batch counted."""
+    def backward(self, state: TrainState, batch: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, bool, torch.Tensor]:
+        """Forward and backward of one micro-batch: the loss to report, the window's item
+        count and form, and its flag of non-finite losses or bad counts, this one counted."""
         if self.autocast is None:
             loss, items = self.forward(batch)
         else:
@@ -127,8 +127,14 @@ class Stepper:
             raise LossError("loss_fn returned (loss_sum, num_items) for some micro-batches of a "
                             "window and a plain loss for others; return one form always")
         total = state.window_items
+        bad = ~torch.isfinite(loss.detach())  # no host sync: read with the gradients' check
         if weighted:
+            if not isinstance(items, torch.Tensor) and not (math.isfinite(items) and items >= 0):
+                raise LossError(f"loss_fn returned num_items={items!r}; it must be a finite "
+                                "count >= 0")
             count = torch.as_tensor(items, dtype=torch.float64, device=loss.device).reshape(())
+            if isinstance(items, torch.Tensor):  # checked on the device, like the loss
+                bad = bad | ~torch.isfinite(count) | (count < 0)
             # a new tensor: the window's total is all-reduced in place, the user's must not be
             total = count.clone() if total is None else total + count
             report = loss.detach() / count.to(loss.dtype)
@@ -139,7 +145,9 @@ class Stepper:
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
-        return report, total, weighted
+        if state.window_bad is not None:
+            bad = bad | state.window_bad.to(bad.device)
+        return report, total, weighted, bad
 
     def normalise(self, total: torch.Tensor) -> None:
         """Divide summed gradients by the items of the whole window on all ranks."""
@@ -149,23 +157,28 @@ class Stepper:
         factor = (self.ranks / total).to(torch.float32)
         torch._foreach_mul_(grads, factor.to(grads[0].device) if grads else factor)
 
-    def check_grads(self) -> tuple[torch.Tensor | None, bool]:
-        """Clip when the plan says so; return (norm before clipping or None, all finite).
+    def check_grads(self, bad: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """Clip when the plan says so; return (norm before clipping or None, whether the
+        gradients, the window's losses and its item counts are all finite).
 
         Without clipping only finiteness is needed, and torch's fused check (the one
         GradScaler uses, with a scale of 1) gives it in one call. Reading the flag is the one
         host sync of an optimizer step. Replicated gradients are the same on every rank, and
-        for sharded ones the check reduces the flag over the mesh, so all ranks agree.
+        for sharded ones the check reduces the flag over the mesh; the losses' flag differs
+        per rank and is reduced with the others' (one small all-reduce), so all ranks agree.
         """
         plan = self.plan
+        flag = bad.to(torch.float32)
+        if self.ranks > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if plan.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, plan.max_grad_norm,
                                                   norm_type=plan.norm_type)
             norm = self.engine.full(norm)
-            return norm, math.isfinite(norm.item())
+            return norm, bool((torch.isfinite(norm) & (flag.to(norm.device) == 0)).item())
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
-            return None, True
+            return None, flag.item() == 0
         device = self.engine.local(grads[0]).device
         if device not in self.scratch:
             self.scratch[device] = (torch.zeros((), device=device), torch.ones((), device=device))
@@ -173,6 +186,7 @@ class Stepper:
         found_inf.zero_()
         # on sharded (DTensor) gradients torch reduces the flag over the mesh: all ranks agree
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, unit)
+        found_inf.add_(flag.to(device))
         return None, found_inf.item() == 0
 
     def rescale(self, factor: float) -> None:
@@ -182,7 +196,7 @@ class Stepper:
             torch._foreach_mul_(grads, factor)
 
     def update(self, state: TrainState, total: torch.Tensor | None, batches: int,
-               on_nonfinite: OnNonFinite) -> tuple[torch.Tensor | None, bool]:
+               bad: torch.Tensor, on_nonfinite: OnNonFinite) -> tuple[torch.Tensor | None, bool]:
         """Finish a window of ``batches`` micro-batches: normalise, unscale, clip, step.
         Returns (norm, skipped)."""
         optimizer = self.optimizer
@@ -193,10 +207,11 @@ class Stepper:
             self.normalise(total)
         elif batches < self.window:  # each loss was divided by the full window
             self.rescale(self.window / batches)
-        norm, finite = self.check_grads()
+        norm, finite = self.check_grads(bad)
         skipped = not finite
-        if self.scaler is not None:
-            self.scaler.step(stepping)
+        if self.scaler is not None:  # fp16: the scaler's skip, never an error
+            if finite:
+                self.scaler.step(stepping)
             self.scaler.update()
         elif finite:
             stepping.step()
@@ -204,8 +219,9 @@ class Stepper:
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
                 f"non-finite gradients at optimizer step {state.step + 1} "
-                f"(micro-step {state.micro_step + 1}); pass on_nonfinite='skip' to skip such "
-                "steps, or lower the learning rate / add clip_gradients")
+                f"(micro-step {state.micro_step + 1}), or a non-finite loss or item count in "
+                "its window, on some rank; nothing was applied. Pass on_nonfinite='skip' to "
+                "skip such steps, or lower the learning rate / add clip_gradients")
         if not skipped and self.scheduler is not None:
             self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -235,13 +251,13 @@ class Stepper:
             batch = to_device(batch, self.device)
         no_sync = None if boundary else self.engine.no_sync(self.model, state)
         if no_sync is None:
-            loss, total, weighted = self.backward(state, batch)
+            loss, total, weighted, bad = self.backward(state, batch)
         else:
             with no_sync():
-                loss, total, weighted = self.backward(state, batch)
+                loss, total, weighted, bad = self.backward(state, batch)
         norm, skipped = None, False
         if boundary:
-            norm, skipped = self.update(state, total, batches,
+            norm, skipped = self.update(state, total, batches, bad,
                                         on_nonfinite or self.plan.on_nonfinite)
         next_state = TrainState(
             step=state.step + boundary, micro_step=micro, epoch=epoch,
@@ -249,6 +265,7 @@ class Stepper:
             window_batches=0 if boundary else batches,
             window_items=None if boundary else total,
             window_weighted=None if boundary else weighted,
+            window_bad=None if boundary else bad,
             synced=state.synced or no_sync is None)
         lr = self.optimizer.param_groups[0].get("lr")
         return next_state, StepOutput(loss=loss, grad_norm=norm, stepped=boundary and not skipped,

@@ -223,6 +223,9 @@ def test_loading_never_unpickles_foreign_objects(tmp_path):
     state, _ = train_for(bundle, bundle.init(), 1)
     path = sw.save(tmp_path, bundle, state)
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match=r"\.metadata does not match its checksum"):
+        sw.load(path, bundle)
+    reseal(path)  # an attacker rewrites the checksums too: the allow-list still refuses
     with pytest.raises(CheckpointError, match="refers to posix.system"):
         sw.load(path, bundle)
 
@@ -314,6 +317,7 @@ def test_the_metadata_allow_list_takes_exact_names_only(tmp_path, payload, shown
     state, _ = train_for(bundle, bundle.init(), 1)
     path = sw.save(tmp_path, bundle, state)
     (path / ".metadata").write_bytes(payload)
+    reseal(path)  # past the checksums, as a forger would go
     with pytest.raises(CheckpointError, match=f"refers to .*{shown}"):
         sw.load(path, bundle)
 
@@ -515,3 +519,92 @@ def test_a_missing_or_corrupt_rng_file_fails_the_load_before_anything_changes(tm
             sw.load(tmp_path, bundle)
         after = full_state(bundle.model)
         assert all(torch.equal(after[k], before[k]) for k in before)  # nothing restored
+
+
+class Payload:
+    """Runs a command when unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class WithExtraState(torch.nn.Module):
+    def __init__(self, extra):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.extra = extra
+
+    def forward(self, x):
+        return self.fc(x).sum()
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state):
+        self.extra = state
+
+
+def test_extra_state_round_trips_as_plain_data_and_never_runs_code(tmp_path, monkeypatch):
+    import shardwise.checkpoint as checkpoint
+
+    plain = WithExtraState({"calls": 3, "names": ["a", "b"], "scale": torch.ones(2)})
+    bundle = sw.pipeline(sw.Env())(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    sw.save(tmp_path / "plain", bundle, bundle.init())
+    plain.extra = {"calls": 0, "names": [], "scale": torch.zeros(2)}
+    sw.load(tmp_path / "plain", bundle)
+    assert plain.extra["calls"] == 3 and torch.equal(plain.extra["scale"], torch.ones(2))
+
+    marker = tmp_path / "ran"
+    hostile = WithExtraState(Payload(marker))
+    bundle = sw.pipeline(sw.Env())(hostile, torch.optim.SGD(hostile.parameters(), lr=0.1))
+    with pytest.raises(CheckpointError, match="'_extra_state'.*not plain data"):
+        sw.save(tmp_path / "hostile", bundle, bundle.init())
+    # a checkpoint written without that check (another tool, or an older shardwise)
+    monkeypatch.setattr(checkpoint, "_refuse_code", lambda model_sd: None)
+    sw.save(tmp_path / "hostile", bundle, bundle.init())
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match="not plain data.*could run code"):
+        sw.load(tmp_path / "hostile", bundle)
+    assert not marker.exists()  # nothing ran
+
+
+def reseal(path):
+    """Rewrite checksums.json to match the files as they are now (a forger would)."""
+    from shardwise import _integrity
+
+    files = {}
+    for rank in range(2):
+        files.update(_integrity.digests_of(path, rank))
+    (path / _integrity.MANIFEST).write_text(json.dumps(
+        {"files": files, "sealed": _integrity._sealed(files)}))
+
+
+def flip_bit(file, offset):
+    data = bytearray(file.read_bytes())
+    data[offset % len(data)] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_anywhere_is_named_and_the_load_falls_back(tmp_path, caplog):
+    bundle = build([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+    older = sw.save(tmp_path, bundle, state)
+    state, _ = train_for(bundle, state, 1)
+    newest = sw.save(tmp_path, bundle, state)
+    manifest = json.loads((newest / "checksums.json").read_text())["files"]
+    assert set(manifest) == {"__0_0.distcp", ".metadata", "shardwise.json", "rng/rank_00000.json"}
+    for name, offset in (("__0_0.distcp", 12345), (".metadata", 100), ("shardwise.json", 40),
+                         ("rng/rank_00000.json", 20), ("checksums.json", 30)):
+        saved = (newest / name).read_bytes()
+        flip_bit(newest / name, offset)
+        with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+            sw.load(newest, bundle)  # an explicit step: no fallback
+        with caplog.at_level("WARNING"):
+            assert sw.load(tmp_path, bundle).step == 1  # the newest intact one, said so
+        assert newest.name in caplog.text and older.name != newest.name  # said which
+        (newest / name).write_bytes(saved)
+        caplog.clear()
+    assert sw.load(tmp_path, bundle).step == 2

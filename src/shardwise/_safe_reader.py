@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
 from shardwise.errors import CheckpointError
 
-__all__ = ["SafeReader"]
+__all__ = ["SafeReader", "SafeLoadPlanner"]
 
 _DCP = "torch.distributed.checkpoint."
 # every global a DCP metadata file needs, as exact (module, name) pairs
@@ -57,3 +60,23 @@ class SafeReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but non-tensor entries (a module's extra state) are unpickled with
+    ``weights_only=True``: plain containers, numbers, strings and tensors only, no code."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(
+                f"the checkpoint's non-tensor entry {fqn!r} is not plain data ({type(exc).__name__}"
+                f": {str(exc)[:120]}); refusing to load it (unpickling it could run code)") from None
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded

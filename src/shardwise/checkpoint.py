@@ -29,8 +29,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardwise import _rng
-from shardwise._safe_reader import SafeReader
+from shardwise import _integrity, _rng
+from shardwise._safe_reader import SafeLoadPlanner, SafeReader
 from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader
 from shardwise.distributed import all_agree, joined
@@ -130,6 +130,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         raise CheckpointError(f"cannot create checkpoint directory {tmp}: {problem or 'on rank 0'}")
     fresh = bundle.optimizer is not None and not bundle.optimizer.state
     model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
+    _refuse_code(model_sd)
     meta = {"format": FORMAT, "name": final.name, "train_state": state.to_dict(),
             "world_size": env.world_size,
             "data": _data_position(bundle, state),
@@ -145,15 +146,18 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         _write_json(tmp / "rng" / f"rank_{env.rank:05d}.json", _rng.capture())
         if env.is_main:
             _write_json(tmp / META, meta)
+        digests = _integrity.digests_of(tmp, env.rank)
     except (Exception, CheckpointException) as exc:  # DCP's wraps the rank's OSError
-        ok, problem = False, _cause(exc)
+        ok, problem, digests = False, _cause(exc), {}
     if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
         bundle.optimizer.state.clear()
     if not all_agree(env, ok):
         raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
                               "; the previous checkpoint is intact")
+    manifest = _integrity.write_manifest(tmp, env, digests)  # a collective
     if env.is_main:
         try:
+            _write_json(tmp / _integrity.MANIFEST, manifest)
             _publish(root, tmp, final, state.step, keep_last)
         except OSError as exc:
             ok, problem = False, f"{type(exc).__name__}: {exc}"
@@ -161,6 +165,28 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         raise CheckpointError(f"publishing checkpoint {final} failed ({problem}); "
                               f"{root / LATEST} still names the previous checkpoint")
     return final
+
+
+def _refuse_code(model_sd: dict[str, Any]) -> None:
+    """Raise unless every non-tensor entry (a module's extra state) is plain data, which
+    loading can read without running code."""
+    def plain_data(value: Any) -> bool:
+        if isinstance(value, (torch.Tensor, str, int, float, bool)) or value is None:
+            return True
+        if isinstance(value, (list, tuple)):
+            return all(plain_data(v) for v in value)
+        if isinstance(value, dict):
+            return all(isinstance(k, (str, int)) and plain_data(v) for k, v in value.items())
+        return False
+
+    for key, value in model_sd.items():
+        if not plain_data(value):
+            module = key.rsplit(".", 1)[0] if "." in key else "the model"
+            raise CheckpointError(
+                f"{key!r}: the extra state of {module} is a {type(value).__name__}, not plain "
+                "data (numbers, strings, lists, dicts, tensors); a checkpoint holding it could "
+                "run code when loaded, so it is not written. Return plain data or tensors from "
+                "get_extra_state()")
 
 
 def _cause(exc: BaseException) -> str:
@@ -347,11 +373,7 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
     Example:
         >>> state = sw.load("checkpoints", bundle)
     """
-    path = latest_checkpoint(directory)
-    if path is None:
-        raise CheckpointError(f"no complete checkpoint in {directory} (a complete one holds "
-                              f"{META} and DCP's .metadata; hidden .tmp.* directories are "
-                              "interrupted saves)")
+    path = _intact(Path(directory), bundle)
     ok, problem, meta, state, rng = True, "", {}, TrainState(), None
     try:  # everything JSON is read and checked on every rank before anything is changed
         meta = _read_meta(path)
@@ -371,7 +393,8 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
                 partial_optimizer=engine.partial_optimizer or bundle.optimizer is None)
     try:
         with _dcp_quietly():
-            dcp.load(target, storage_reader=reader, no_dist=not joined(bundle.env))
+            dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(),
+                     no_dist=not joined(bundle.env))
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"reading checkpoint {path} failed ({_cause(exc)}); the checkpoint "
                               "is partial or corrupt") from None
@@ -383,6 +406,39 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
     if rng is not None:
         _rng.restore(rng)
     return _position_loader(bundle, state, meta["data"].get("seed"))
+
+
+def _intact(root: Path, bundle: Bundle) -> Path:
+    """The checkpoint to load: ``root`` itself when it is one, else the newest complete one
+    under it whose files match their checksums (falling back past damaged ones, with a
+    warning). Every rank takes part in the verification.
+
+    Raises:
+        CheckpointError: no complete checkpoint, or (for an explicit one) a damaged file.
+    """
+    explicit = _is_complete(root)
+    candidates = [root] if explicit else []
+    if not explicit:
+        newest = latest_checkpoint(root)
+        candidates = [newest] if newest is not None else []
+        candidates += [p for p in reversed(_complete_steps(root)) if p != newest]
+    if not candidates:
+        raise CheckpointError(f"no complete checkpoint in {root} (a complete one holds "
+                              f"{META} and DCP's .metadata; hidden .tmp.* directories are "
+                              "interrupted saves)")
+    problems: list[str] = []
+    for path in candidates:
+        try:
+            _integrity.verify(path, bundle.env)
+            if problems:
+                log.warning("loading %s: the newer checkpoint(s) are damaged (%s)", path,
+                            "; ".join(problems))
+            return path
+        except CheckpointError as exc:
+            if explicit:
+                raise
+            problems.append(str(exc))
+    raise CheckpointError(f"no intact checkpoint in {root}: {'; '.join(problems)}")
 
 
 def _read_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> dict[str, Any] | None:

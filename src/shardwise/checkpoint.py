@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -30,6 +29,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardwise import _integrity, _rng
+from shardwise._layout import (
+    LATEST,
+    META,
+    complete_steps,
+    is_complete,
+    latest_checkpoint,
+    publish,
+    write_durably,
+)
 from shardwise._safe_reader import SafeLoadPlanner, SafeReader
 from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader
@@ -42,8 +50,6 @@ __all__ = ["save", "load", "latest_checkpoint"]
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-META = "shardwise.json"
-LATEST = "latest"
 
 
 @contextlib.contextmanager
@@ -63,27 +69,8 @@ def plain(value: Any, where: str) -> Any:
                               "non-tensor state in JSON so that loading runs no pickle") from None
 
 
-def _write_durably(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, flushed to disk, then renamed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as stream:
-        stream.write(text)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: Any) -> None:
-    _write_durably(path, json.dumps(data, indent=1))
+    write_durably(path, json.dumps(data, indent=1))
 
 
 def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *,
@@ -158,7 +145,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     if env.is_main:
         try:
             _write_json(tmp / _integrity.MANIFEST, manifest)
-            _publish(root, tmp, final, state.step, keep_last)
+            publish(root, tmp, final, state.step, keep_last)
         except OSError as exc:
             ok, problem = False, f"{type(exc).__name__}: {exc}"
     if not all_agree(env, ok):  # nobody returns before the checkpoint is visible
@@ -202,104 +189,6 @@ def _data_position(bundle: Bundle, state: TrainState) -> dict[str, Any]:
     loader = bundle.loader
     seed = loader.seed if isinstance(loader, DeviceLoader) else None
     return {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch, "seed": seed}
-
-
-def _publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None) -> None:
-    """Make ``tmp`` visible as ``final`` in one rename, then point ``latest`` at it."""
-    _fsync_dir(tmp)
-    if final.exists():  # the same step saved again: swap, never leave a gap
-        old = root / f".old.{final.name}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_durably(root / LATEST, final.name + "\n")
-    _fsync_dir(root)
-    if keep_last is not None:
-        # only checkpoints older than this one: after a rollback, newer-numbered ones
-        # belong to an abandoned run and are left for the user to judge
-        older = [p for p in _complete_steps(root) if _step_of(p) < step]
-        for old_step in older[:len(older) - (keep_last - 1)]:
-            shutil.rmtree(old_step, ignore_errors=True)
-
-
-def _is_complete(path: Path) -> bool:
-    return (path / META).is_file() and (path / ".metadata").is_file()
-
-
-_STEP_NAME = re.compile(r"step_\d{8}")
-_MAX_META_BYTES = 16 * 2**20
-
-
-def _is_ours(path: Path) -> bool:
-    """Whether ``path`` is a complete checkpoint shardwise published under this very name:
-    its ``shardwise.json`` records the name (a user's copy, ``step_00000002.bak`` or
-    ``step_best``, records another one). Checkpoints from before the name was recorded
-    count when their own name is exactly ``step_NNNNNNNN``."""
-    if not path.is_dir() or not _is_complete(path):
-        return False
-    try:
-        if (path / META).stat().st_size > _MAX_META_BYTES:
-            return False
-        recorded = json.loads((path / META).read_text()).get("name")
-    except (OSError, ValueError, AttributeError):
-        return False
-    if recorded is None:
-        return _STEP_NAME.fullmatch(path.name) is not None
-    return bool(recorded == path.name)
-
-
-def _step_of(path: Path) -> int:
-    try:
-        return int(path.name.removeprefix("step_"))
-    except ValueError:
-        return -1
-
-
-def _complete_steps(root: Path) -> list[Path]:
-    """The checkpoints shardwise published in ``root``, oldest step first."""
-    steps = [p for p in root.glob("step_*") if _is_ours(p)]
-    return sorted(steps, key=_step_of)
-
-
-def _marked(root: Path) -> Path | None:
-    """The checkpoint ``root/latest`` names, if the marker is intact, names a checkpoint
-    directly in ``root`` and that checkpoint is complete; else None (with a warning)."""
-    marker = root / LATEST
-    if not marker.is_file():
-        return None
-    try:
-        with open(marker, "rb") as stream:
-            name = stream.read(64).decode("ascii").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        log.warning("ignoring the damaged marker %s (%s); using the newest complete "
-                    "checkpoint", marker, exc)
-        return None
-    if _STEP_NAME.fullmatch(name) is None or not _is_ours(root / name):
-        log.warning("ignoring the marker %s: it names %r, not a complete checkpoint in %s; "
-                    "using the newest complete one", marker, name[:40], root)
-        return None
-    return root / name
-
-
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``directory`` (or ``directory`` itself), or None.
-
-    ``directory/latest`` is followed only to a complete checkpoint directly inside
-    ``directory``; a damaged or foreign marker is ignored (with a warning) for the newest
-    complete checkpoint.
-    """
-    root = Path(directory)
-    if _is_complete(root):
-        return root
-    marked = _marked(root)
-    if marked is not None:
-        return marked
-    complete = _complete_steps(root)
-    return complete[-1] if complete else None
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -416,12 +305,12 @@ def _intact(root: Path, bundle: Bundle) -> Path:
     Raises:
         CheckpointError: no complete checkpoint, or (for an explicit one) a damaged file.
     """
-    explicit = _is_complete(root)
+    explicit = is_complete(root)
     candidates = [root] if explicit else []
     if not explicit:
         newest = latest_checkpoint(root)
         candidates = [newest] if newest is not None else []
-        candidates += [p for p in reversed(_complete_steps(root)) if p != newest]
+        candidates += [p for p in reversed(complete_steps(root)) if p != newest]
     if not candidates:
         raise CheckpointError(f"no complete checkpoint in {root} (a complete one holds "
                               f"{META} and DCP's .metadata; hidden .tmp.* directories are "

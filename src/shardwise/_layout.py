@@ -1,0 +1,137 @@
+# The checkpoint directory: durable writes, atomic publishing, which checkpoints are shardwise's.
+"""Directory layout of checkpoints: ``root/step_NNNNNNNN/`` published by one rename,
+``root/latest`` naming the newest, ``keep_last`` pruning only what shardwise published."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+__all__ = ["META", "LATEST", "write_durably", "publish", "is_complete", "complete_steps",
+           "latest_checkpoint"]
+
+log = logging.getLogger("shardwise.checkpoint")
+
+META = "shardwise.json"
+LATEST = "latest"
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, flushed to disk, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as stream:
+        stream.write(text)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None) -> None:
+    """Make ``tmp`` visible as ``final`` in one rename, then point ``latest`` at it."""
+    fsync_dir(tmp)
+    if final.exists():  # the same step saved again: swap, never leave a gap
+        old = root / f".old.{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    write_durably(root / LATEST, final.name + "\n")
+    fsync_dir(root)
+    if keep_last is not None:
+        # only checkpoints older than this one: after a rollback, newer-numbered ones
+        # belong to an abandoned run and are left for the user to judge
+        older = [p for p in complete_steps(root) if _step_of(p) < step]
+        for old_step in older[:len(older) - (keep_last - 1)]:
+            shutil.rmtree(old_step, ignore_errors=True)
+
+
+def is_complete(path: Path) -> bool:
+    return (path / META).is_file() and (path / ".metadata").is_file()
+
+
+_STEP_NAME = re.compile(r"step_\d{8}")
+_MAX_META_BYTES = 16 * 2**20
+
+
+def _is_ours(path: Path) -> bool:
+    """Whether ``path`` is a complete checkpoint shardwise published under this very name:
+    its ``shardwise.json`` records the name (a user's copy, ``step_00000002.bak`` or
+    ``step_best``, records another one). Checkpoints from before the name was recorded
+    count when their own name is exactly ``step_NNNNNNNN``."""
+    if not path.is_dir() or not is_complete(path):
+        return False
+    try:
+        if (path / META).stat().st_size > _MAX_META_BYTES:
+            return False
+        recorded = json.loads((path / META).read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if recorded is None:
+        return _STEP_NAME.fullmatch(path.name) is not None
+    return bool(recorded == path.name)
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step_"))
+    except ValueError:
+        return -1
+
+
+def complete_steps(root: Path) -> list[Path]:
+    """The checkpoints shardwise published in ``root``, oldest step first."""
+    steps = [p for p in root.glob("step_*") if _is_ours(p)]
+    return sorted(steps, key=_step_of)
+
+
+def _marked(root: Path) -> Path | None:
+    """The checkpoint ``root/latest`` names, if the marker is intact, names a checkpoint
+    directly in ``root`` and that checkpoint is complete; else None (with a warning)."""
+    marker = root / LATEST
+    if not marker.is_file():
+        return None
+    try:
+        with open(marker, "rb") as stream:
+            name = stream.read(64).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("ignoring the damaged marker %s (%s); using the newest complete "
+                    "checkpoint", marker, exc)
+        return None
+    if _STEP_NAME.fullmatch(name) is None or not _is_ours(root / name):
+        log.warning("ignoring the marker %s: it names %r, not a complete checkpoint in %s; "
+                    "using the newest complete one", marker, name[:40], root)
+        return None
+    return root / name
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``directory`` (or ``directory`` itself), or None.
+
+    ``directory/latest`` is followed only to a complete checkpoint directly inside
+    ``directory``; a damaged or foreign marker is ignored (with a warning) for the newest
+    complete checkpoint.
+    """
+    root = Path(directory)
+    if is_complete(root):
+        return root
+    marked = _marked(root)
+    if marked is not None:
+        return marked
+    complete = complete_steps(root)
+    return complete[-1] if complete else None

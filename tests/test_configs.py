@@ -1,6 +1,7 @@
 # from_config / from_ddp_args: Accelerate YAML, DeepSpeed JSON, Transformers fsdp_config, DDP args.
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -243,3 +244,57 @@ def train_root_only():
 def test_root_only_sharding_trains_on_two_ranks():
     assert run_distributed(train_root_only, world_size=2) == [
         ("FSDPTinyTransformerLM", "TinyDecoderBlock", True)] * 2
+
+
+@pytest.mark.parametrize("block, expected", [
+    ({"fsdp_reshard_after_forward": "NO_SHARD"}, [sw.replicate()]),  # what FSDP v1 configs write
+    ({"fsdp_sharding_strategy": "NO_SHARD", "fsdp_activation_checkpointing": True,
+      "fsdp_transformer_layer_cls_to_wrap": "A"},
+     [sw.checkpoint_activations(sw.by_class("A")), sw.replicate()]),
+])
+def test_no_shard_in_either_key_means_replicate_with_its_settings(block, expected):
+    pipe = sw.from_config({"distributed_type": "FSDP", "fsdp_config": block}, env=CPU_ONE)
+    assert parts(pipe) == expected
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"fsdp_sharding_strategy": "NO_SHARD", "fsdp_offload_params": True},
+     "NO_SHARD with fsdp_offload_params=true: offload needs a sharded strategy"),
+    ({"fsdp_offload_params": True, "offload_params": False},
+     "fsdp_offload_params=True and offload_params=False contradict"),
+    ({"fsdp_offload_params": True, "fsdp_cpu_offload": False},
+     "fsdp_offload_params=True and fsdp_cpu_offload=False contradict"),
+    ({"fsdp_sharding_strategy": "NO_SHARD", "fsdp_reshard_after_forward": "FULL_SHARD"},
+     "fsdp_sharding_strategy=NO_SHARD and fsdp_reshard_after_forward=FULL_SHARD contradict"),
+    ({"fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_reshard_after_forward": True},
+     "fsdp_reshard_after_forward=True contradicts fsdp_sharding_strategy=SHARD_GRAD_OP"),
+])
+def test_contradicting_fsdp_keys_are_refused_naming_both(block, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        sw.from_config({"distributed_type": "FSDP", "fsdp_config": block}, env=CPU_ONE)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("ds.json", '{"gradient_clipping": 1.0, "gradient_clipping": 0}', "'gradient_clipping' appears twice"),
+    ("c.yaml", "distributed_type: MULTI_CPU\ndistributed_type: NO\n", "'distributed_type' appears twice"),
+    ("c.yaml", "a: &x [1, 2]\nb: *x\n", "alias *x"),
+    ("ds.json", '{"gradient_clipping": NaN}', "gradient_clipping=nan is not accepted"),
+    ("ds.json", '{"gradient_clipping": -1}', "gradient_clipping=-1 is not accepted"),
+    ("c.yaml", "x: " + "[" * 40 + "]" * 40 + "\n", "nested more than 16 levels"),
+])
+def test_config_files_are_read_strictly(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        sw.from_config(path, env=CPU_ONE)
+
+
+def test_config_files_that_are_not_utf8_or_too_large_name_themselves(tmp_path):
+    binary = tmp_path / "c.yaml"
+    binary.write_bytes(b"distributed_type: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml is not UTF-8 text"):
+        sw.from_config(binary, env=CPU_ONE)
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (5 * 2**20))
+    with pytest.raises(ConfigError, match=r"big\.yaml is \d+ bytes; a config file may hold"):
+        sw.from_config(big, env=CPU_ONE)

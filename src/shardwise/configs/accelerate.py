@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from shardwise.configs._read import Source
+from shardwise.configs._read import Source, load_source
 from shardwise.configs.deepspeed import clipping, deepspeed_transforms, stage_transforms
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env
@@ -47,11 +46,10 @@ def _deepspeed_block(src: Source, block: dict[str, Any], env: Env) -> list[Trans
         if not path.is_absolute() and src.base is not None:
             path = src.base / path
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{src.origin}: deepspeed_config.deepspeed_config_file={path}: "
-                              f"{exc}") from None
-        inner = Source(data, str(path), path.parent)
+            inner = load_source(path)
+        except ConfigError as exc:
+            raise ConfigError(f"{src.origin}: deepspeed_config.deepspeed_config_file: {exc}") \
+                from None
         out, steps = deepspeed_transforms(inner, env)
         src.notices += inner.notices
         clip = next((t.max_norm for t in out if isinstance(t, ClipGradients)), None)

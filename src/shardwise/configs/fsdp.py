@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardwise.configs._read import Source
+from shardwise.errors import ConfigError
 from shardwise.policies import Policy, auto, by_class, by_size, root_only
 from shardwise.transforms.base import Transform
 from shardwise.transforms.checkpoint_activations import checkpoint_activations
@@ -55,9 +56,45 @@ def _policy(src: Source, cfg: dict[str, Any], kind: str) -> Policy:
     return root_only()
 
 
+def _strategy(src: Source, cfg: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(reshard after forward, hybrid, no sharding) from ``sharding_strategy`` and/or
+    ``reshard_after_forward`` (which Accelerate's FSDP v1 configs fill with a strategy name);
+    two that disagree are refused naming both."""
+    named: dict[str, str] = {}
+    if "sharding_strategy" in cfg:
+        raw = str(cfg["sharding_strategy"])
+        named["fsdp_sharding_strategy"] = src.choice(
+            "fsdp_sharding_strategy", _NUMBERED.get(raw, raw), [*STRATEGIES, "NO_SHARD"])
+    reshard: bool | None = None
+    value = cfg.get("reshard_after_forward")
+    if isinstance(value, str) and value.upper() in (*STRATEGIES, "NO_SHARD"):
+        named["fsdp_reshard_after_forward"] = value.upper()
+    elif value is not None:
+        reshard = src.boolean("fsdp_reshard_after_forward", value)
+    if len(set(named.values())) > 1:
+        raise ConfigError(f"{src.origin}: {' and '.join(f'{k}={v}' for k, v in named.items())} "
+                          "contradict each other; set one strategy")
+    strategy = next(iter(named.values()), None)
+    if strategy == "NO_SHARD":
+        return True, False, True
+    resharded, hybrid = STRATEGIES.get(strategy or "FULL_SHARD", (True, False))
+    if reshard is not None and strategy is not None and reshard != resharded:
+        raise ConfigError(f"{src.origin}: fsdp_reshard_after_forward={reshard} contradicts "
+                          f"fsdp_sharding_strategy={strategy}; set one")
+    return (resharded if reshard is None else reshard), hybrid, False
+
+
 def fsdp_transforms(src: Source, block: dict[str, Any]) -> list[Transform]:
     """Transforms for an FSDP block whose keys may carry the ``fsdp_`` prefix."""
-    cfg = {k.removeprefix("fsdp_"): v for k, v in block.items()}
+    cfg: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for key, value in block.items():
+        bare = key.removeprefix("fsdp_")
+        if bare in cfg and cfg[bare] != value:
+            raise ConfigError(f"{src.origin}: {spelled[bare]}={cfg[bare]!r} and {key}={value!r} "
+                              "contradict each other (the same setting, with and without the "
+                              "fsdp_ prefix); set one")
+        cfg[bare], spelled[bare] = value, key
     src.check_keys(cfg, KEYS, " in the FSDP settings (shown without their fsdp_ prefix)")
     for key, why in NO_OP.items():
         if key in cfg:
@@ -65,30 +102,30 @@ def fsdp_transforms(src: Source, block: dict[str, Any]) -> list[Transform]:
     version = src.integer("fsdp_version", cfg.get("version", 1), 1)
     if version not in (1, 2):
         raise src.fail("fsdp_version", version, "1 or 2")
-    reshard, hybrid = True, False
-    if "sharding_strategy" in cfg:
-        raw = str(cfg["sharding_strategy"])
-        strategy = src.choice("fsdp_sharding_strategy", _NUMBERED.get(raw, raw),
-                              [*STRATEGIES, "NO_SHARD"])
-        if strategy == "NO_SHARD":
-            return [replicate()]
-        reshard, hybrid = STRATEGIES[strategy]
-    if "reshard_after_forward" in cfg:
-        value = cfg["reshard_after_forward"]
-        if isinstance(value, str) and value.upper() in (*STRATEGIES, "NO_SHARD"):
-            reshard, hybrid = STRATEGIES.get(value.upper(), (True, False))
-        else:
-            reshard = src.boolean("fsdp_reshard_after_forward", value)
+    reshard, hybrid, no_shard = _strategy(src, cfg)
     kind = src.choice("fsdp_auto_wrap_policy", cfg.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
                       ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"])
     policy = _policy(src, cfg, kind)
-    out: list[Transform] = [shard(policy, reshard_after_forward=reshard,
-                                  replicate_across_nodes=hybrid)]
-    offloads = [src.boolean(f"fsdp_{k}", cfg[k]) for k in ("offload_params", "cpu_offload")
-                if k in cfg]
-    if any(offloads):
-        out.append(offload())
-    if src.boolean("fsdp_activation_checkpointing", cfg.get("activation_checkpointing", False)):
+    offloads = {f"fsdp_{k}": src.boolean(f"fsdp_{k}", cfg[k])
+                for k in ("offload_params", "cpu_offload") if k in cfg}
+    if len(set(offloads.values())) > 1:
+        raise ConfigError(f"{src.origin}: {' and '.join(f'{k}={v}' for k, v in offloads.items())}"
+                          " contradict each other (the same setting under two names); set one")
+    offload_on = any(offloads.values())
+    checkpointing = src.boolean("fsdp_activation_checkpointing",
+                                cfg.get("activation_checkpointing", False))
+    out: list[Transform] = []
+    if no_shard:  # NO_SHARD: replicate, honouring checkpointing; offload needs sharding
+        if offload_on:
+            raise ConfigError(f"{src.origin}: NO_SHARD with {next(k for k, v in offloads.items() if v)}"
+                              "=true: offload needs a sharded strategy (FULL_SHARD, "
+                              "SHARD_GRAD_OP, HYBRID_SHARD); choose one, or drop the offload")
+        out.append(replicate())
+    else:
+        out.append(shard(policy, reshard_after_forward=reshard, replicate_across_nodes=hybrid))
+        if offload_on:
+            out.append(offload())
+    if checkpointing:
         out.append(checkpoint_activations(policy))
     if "state_dict_type" in cfg:
         kind = src.choice("fsdp_state_dict_type", cfg["state_dict_type"],

@@ -608,3 +608,23 @@ def test_a_flipped_bit_anywhere_is_named_and_the_load_falls_back(tmp_path, caplo
         (newest / name).write_bytes(saved)
         caplog.clear()
     assert sw.load(tmp_path, bundle).step == 2
+
+
+def test_a_load_that_fails_reading_tensors_leaves_the_bundle_as_it_was(tmp_path):
+    bundle = build([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 2)
+    path = sw.save(tmp_path, bundle, state)
+    train_for(bundle, state, 2)
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated...
+    reseal(path)  # ...past the checksums (an I/O fault after verification reads the same)
+    before = (full_state(bundle.model), _optimizer_tensors(bundle.optimizer),
+              bundle.scheduler.state_dict(), torch.get_rng_state())
+    with pytest.raises(CheckpointError, match="nothing was restored"):
+        sw.load(path, bundle)
+    after = (full_state(bundle.model), _optimizer_tensors(bundle.optimizer),
+             bundle.scheduler.state_dict(), torch.get_rng_state())
+    assert all(torch.equal(after[0][k], before[0][k]) for k in before[0])
+    assert after[1].keys() == before[1].keys()
+    assert all(torch.equal(after[1][k], before[1][k]) for k in before[1])
+    assert after[2] == before[2] and torch.equal(after[3], before[3])

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.utils._pytree import tree_map
 
 from shardwise import _integrity, _rng
 from shardwise._layout import (
@@ -277,7 +278,9 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
     reader = SafeReader(path)
     engine = bundle.engine
     model_sd, tensors, _ = engine.state_dicts(bundle.model, bundle.optimizer)
-    target = {"model": model_sd, "optimizer": tensors}
+    # read into copies: the model and optimizer change only once every tensor was read
+    target = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
+                      {"model": model_sd, "optimizer": tensors})
     _check_fits(path, reader, target,
                 partial_optimizer=engine.partial_optimizer or bundle.optimizer is None)
     try:
@@ -286,7 +289,7 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
                      no_dist=not joined(bundle.env))
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"reading checkpoint {path} failed ({_cause(exc)}); the checkpoint "
-                              "is partial or corrupt") from None
+                              "is partial or corrupt; nothing was restored") from None
     engine.load_state_dicts(bundle.model, bundle.optimizer, target, meta["optimizer"])
     if bundle.scheduler is not None and meta.get("scheduler") is not None:
         bundle.scheduler.load_state_dict(meta["scheduler"])

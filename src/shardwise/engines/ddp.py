@@ -123,7 +123,13 @@ class DDPEngine(Engine):
             return
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(model, loaded["model"])  # the ZeRO state was loaded in place
+        set_model_state_dict(model, loaded["model"])
+        names = param_names(model)
+        saved = loaded["optimizer"].get("state", {})
+        with torch.no_grad():
+            for param, values in self.sharded_optimizer.optim.state.items():  # type: ignore[attr-defined]
+                for key, value in saved.get(names[id(param)], {}).items():
+                    values[key].copy_(value)
         set_hyperparameters(optimizer, other["param_groups"])
 
     def memory(self, model: nn.Module, env: Env, *, trained: set[int],

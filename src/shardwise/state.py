@@ -50,8 +50,9 @@ class TrainState:
     window_items: torch.Tensor | None = attrs.field(default=None, eq=False)
     #: whether this window's losses are ``(loss_sum, num_items)``; None before its first
     window_weighted: bool | None = None
-    #: a device flag: a loss (or item count) of this window was not finite (or negative)
-    window_bad: torch.Tensor | None = attrs.field(default=None, eq=False)
+    #: the sum of this window's losses, on the device: not finite when a loss (or a tensor
+    #: item count, which adds NaN when negative) was not
+    window_losses: torch.Tensor | None = attrs.field(default=None, eq=False)
     #: whether the model has run a synchronised backward in this process (DDP's static
     #: graph needs one before a ``no_sync`` micro-batch); not saved, it belongs to the wrapper
     synced: bool = attrs.field(default=False, eq=False)

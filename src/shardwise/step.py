@@ -116,7 +116,8 @@ class Stepper:
     def backward(self, state: TrainState, batch: Any
                  ) -> tuple[torch.Tensor, torch.Tensor | None, bool, torch.Tensor]:
         """Forward and backward of one micro-batch: the loss to report, the window's item
-        count and form, and its flag of non-finite losses or bad counts, this one counted."""
+        count and form, and the window's sum of losses (non-finite when a loss or a count
+        was), this one counted."""
         if self.autocast is None:
             loss, items = self.forward(batch)
         else:
@@ -127,14 +128,16 @@ class Stepper:
             raise LossError("loss_fn returned (loss_sum, num_items) for some micro-batches of a "
                             "window and a plain loss for others; return one form always")
         total = state.window_items
-        bad = ~torch.isfinite(loss.detach())  # no host sync: read with the gradients' check
+        # the window's losses summed: a NaN or inf in any stays in the sum, which the
+        # gradients' finiteness check reads with them (no extra host sync)
+        seen = loss.detach()
         if weighted:
             if not isinstance(items, torch.Tensor) and not (math.isfinite(items) and items >= 0):
                 raise LossError(f"loss_fn returned num_items={items!r}; it must be a finite "
                                 "count >= 0")
             count = torch.as_tensor(items, dtype=torch.float64, device=loss.device).reshape(())
             if isinstance(items, torch.Tensor):  # checked on the device, like the loss
-                bad = bad | ~torch.isfinite(count) | (count < 0)
+                seen = seen + torch.where(count >= 0, count * 0, torch.nan).to(seen.dtype)
             # a new tensor: the window's total is all-reduced in place, the user's must not be
             total = count.clone() if total is None else total + count
             report = loss.detach() / count.to(loss.dtype)
@@ -145,9 +148,9 @@ class Stepper:
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
-        if state.window_bad is not None:
-            bad = bad | state.window_bad.to(bad.device)
-        return report, total, weighted, bad
+        if state.window_losses is not None:
+            seen = seen + state.window_losses.to(seen.device)
+        return report, total, weighted, seen
 
     def normalise(self, total: torch.Tensor) -> None:
         """Divide summed gradients by the items of the whole window on all ranks."""
@@ -157,28 +160,33 @@ class Stepper:
         factor = (self.ranks / total).to(torch.float32)
         torch._foreach_mul_(grads, factor.to(grads[0].device) if grads else factor)
 
-    def check_grads(self, bad: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    def check_grads(self, losses: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
         """Clip when the plan says so; return (norm before clipping or None, whether the
-        gradients, the window's losses and its item counts are all finite).
+        gradients and the window's ``losses`` (their sum) are all finite).
 
         Without clipping only finiteness is needed, and torch's fused check (the one
-        GradScaler uses, with a scale of 1) gives it in one call. Reading the flag is the one
-        host sync of an optimizer step. Replicated gradients are the same on every rank, and
-        for sharded ones the check reduces the flag over the mesh; the losses' flag differs
-        per rank and is reduced with the others' (one small all-reduce), so all ranks agree.
+        GradScaler uses, with a scale of 1) gives it in one call, the losses' sum included.
+        Reading the flag is the one host sync of an optimizer step. Replicated gradients are
+        the same on every rank, and for sharded ones the check reduces the flag over the
+        mesh; a loss differs per rank, so with several ranks its flag is reduced too (one
+        small all-reduce), and all ranks agree.
         """
         plan = self.plan
-        flag = bad.to(torch.float32)
+        flag = None
         if self.ranks > 1:
+            flag = (~torch.isfinite(losses)).to(torch.float32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if plan.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, plan.max_grad_norm,
                                                   norm_type=plan.norm_type)
             norm = self.engine.full(norm)
-            return norm, bool((torch.isfinite(norm) & (flag.to(norm.device) == 0)).item())
+            bad = ~torch.isfinite(losses.to(norm.device)) if flag is None else \
+                flag.to(norm.device) > 0
+            check = torch.where(bad, torch.nan, norm)
+            return norm, bool(torch.isfinite(check).item())
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
-            return None, flag.item() == 0
+            return None, bool(torch.isfinite(losses).item()) if flag is None else flag.item() == 0
         device = self.engine.local(grads[0]).device
         if device not in self.scratch:
             self.scratch[device] = (torch.zeros((), device=device), torch.ones((), device=device))
@@ -186,7 +194,13 @@ class Stepper:
         found_inf.zero_()
         # on sharded (DTensor) gradients torch reduces the flag over the mesh: all ranks agree
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, unit)
-        found_inf.add_(flag.to(device))
+        if flag is not None:
+            found_inf.add_(flag.to(device))
+        elif losses.device == device and losses.is_floating_point():
+            # one process: the losses' sum joins the same check (scaled by 1, unchanged)
+            torch._amp_foreach_non_finite_check_and_unscale_([losses.float()], found_inf, unit)
+        else:
+            found_inf.add_((~torch.isfinite(losses)).to(device, torch.float32))
         return None, found_inf.item() == 0
 
     def rescale(self, factor: float) -> None:
@@ -196,7 +210,8 @@ class Stepper:
             torch._foreach_mul_(grads, factor)
 
     def update(self, state: TrainState, total: torch.Tensor | None, batches: int,
-               bad: torch.Tensor, on_nonfinite: OnNonFinite) -> tuple[torch.Tensor | None, bool]:
+               losses: torch.Tensor,
+               on_nonfinite: OnNonFinite) -> tuple[torch.Tensor | None, bool]:
         """Finish a window of ``batches`` micro-batches: normalise, unscale, clip, step.
         Returns (norm, skipped)."""
         optimizer = self.optimizer
@@ -207,7 +222,7 @@ class Stepper:
             self.normalise(total)
         elif batches < self.window:  # each loss was divided by the full window
             self.rescale(self.window / batches)
-        norm, finite = self.check_grads(bad)
+        norm, finite = self.check_grads(losses)
         skipped = not finite
         if self.scaler is not None:  # fp16: the scaler's skip, never an error
             if finite:
@@ -251,13 +266,13 @@ class Stepper:
             batch = to_device(batch, self.device)
         no_sync = None if boundary else self.engine.no_sync(self.model, state)
         if no_sync is None:
-            loss, total, weighted, bad = self.backward(state, batch)
+            loss, total, weighted, losses = self.backward(state, batch)
         else:
             with no_sync():
-                loss, total, weighted, bad = self.backward(state, batch)
+                loss, total, weighted, losses = self.backward(state, batch)
         norm, skipped = None, False
         if boundary:
-            norm, skipped = self.update(state, total, batches, bad,
+            norm, skipped = self.update(state, total, batches, losses,
                                         on_nonfinite or self.plan.on_nonfinite)
         next_state = TrainState(
             step=state.step + boundary, micro_step=micro, epoch=epoch,
@@ -265,7 +280,7 @@ class Stepper:
             window_batches=0 if boundary else batches,
             window_items=None if boundary else total,
             window_weighted=None if boundary else weighted,
-            window_bad=None if boundary else bad,
+            window_losses=None if boundary else losses,
             synced=state.synced or no_sync is None)
         lr = self.optimizer.param_groups[0].get("lr")
         return next_state, StepOutput(loss=loss, grad_norm=norm, stepped=boundary and not skipped,

@@ -59,12 +59,19 @@ def call_model(model: torch.nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
+def forward_autocast(engine: Engine, precision: precisions.Precision, device: torch.device
+                     ) -> Any:
+    """The autocast factory a forward runs under: none where the engine casts parameters
+    (FSDP2) or for fp32."""
+    return None if engine.casts_parameters else precisions.autocast(precision, device)
+
+
 def predict(model: torch.nn.Module, batch: Any, *, precision: precisions.Precision, env: Env,
             engine: Engine, move: bool = False) -> Any:
     """The model's output without gradients, in eval mode, at the training precision."""
     if move and env.device.type != "cpu":
         batch = to_device(batch, env.device)
-    autocast = None if engine.casts_parameters else precisions.autocast(precision, env.device)
+    autocast = forward_autocast(engine, precision, env.device)
     was_training = model.training
     model.eval()
     try:
@@ -92,8 +99,7 @@ class Stepper:
         self.model, self.optimizer, self.engine = model, optimizer, engine
         self.scheduler, self.scaler, self.loss_fn = scheduler, scaler, loss_fn
         self.plan, self.window = plan, plan.accumulation_steps
-        self.autocast = (None if engine.casts_parameters
-                         else precisions.autocast(plan.precision, env.device))
+        self.autocast = forward_autocast(engine, plan.precision, env.device)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         # gradients arrive averaged over ranks when a wrapper synchronises them
         self.ranks = engine.gradient_ranks(env) if dist.is_initialized() else 1

@@ -1,4 +1,6 @@
 # Fixtures and helpers shared by the test modules (importable from spawned ranks: `conftest`).
+import os
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -68,3 +70,17 @@ def train_steps(bundle, state, batches):
 def one():
     """The one-process CPU env."""
     return ONE
+
+
+# Property-based tests: a few hundred examples in CI; `HYPOTHESIS_PROFILE=long pytest -m long`
+# (see docs/reliability.md) runs thousands.
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("long", max_examples=2000, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis is a dev dependency; only the property tests need it
+    pass

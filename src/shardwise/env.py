@@ -7,7 +7,7 @@ import datetime
 import os
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import attrs
 import torch
@@ -19,6 +19,7 @@ from shardwise.precision import Precision
 __all__ = ["Env", "detect", "CONFIG_ENV_VAR", "Launcher", "Precision"]
 
 Launcher = Literal["none", "torchrun", "env", "slurm", "mpi"]
+_LAUNCHERS = get_args(Launcher)
 
 #: The variable a launcher sets to hand a config file to the script (``Env.config_path``).
 CONFIG_ENV_VAR = "SHARDWISE_CONFIG_FILE"
@@ -31,10 +32,62 @@ def _to_timeout(value: object) -> datetime.timedelta:
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     else:
-        raise EnvError(f"'timeout' must be a datetime.timedelta or seconds (got {value!r})")
-    if seconds <= 0:
-        raise EnvError(f"'timeout' must be positive (got {value!r} = {seconds} s)")
+        raise EnvError(f"'timeout' must be a datetime.timedelta or seconds (got {value!r:.80})")
+    if not 0 < seconds <= _MAX_TIMEOUT_S:
+        raise EnvError(f"'timeout' must be a finite number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]"
+                       f" (got {value!r:.80})")
     return datetime.timedelta(seconds=seconds)
+
+
+#: A year: longer is a typo (and far past what a collective should wait); NaN and inf refused.
+_MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
+
+def _to_device(value: object) -> torch.device:
+    """A device this build of torch has, named the way torch names it."""
+    try:
+        device = torch.device(value)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError):
+        raise EnvError(f"'device' must be a torch.device or a name such as 'cpu' or 'cuda:0' "
+                       f"(got {value!r:.80})") from None
+    return device
+
+
+def check_device(device: torch.device) -> None:
+    """Raise :class:`EnvError` unless this machine and build of torch have ``device``."""
+    kind = device.type
+    if kind == "cpu" or kind == "meta":
+        return
+    module = getattr(torch, kind, None)
+    if module is None or not (hasattr(module, "is_available") and module.is_available()):
+        raise EnvError(f"'device'={str(device)!r} is not available: this torch {torch.__version__} "
+                       f"has no usable {kind} device; accepted here: 'cpu'"
+                       f"{', cuda' if torch.cuda.is_available() else ''}")
+    count = module.device_count() if hasattr(module, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise EnvError(f"'device'={str(device)!r} is not available: this machine has {count} "
+                       f"{kind} device(s), {kind}:0 to {kind}:{count - 1}")
+
+
+def check_topology(values: Mapping[str, Any]) -> None:
+    """Raise :class:`EnvError` naming the field unless ranks, sizes and port are in range."""
+    defaults = {"world_size": 1, "local_world_size": 1, "num_nodes": 1, "rank": 0,
+                "local_rank": 0, "node_rank": 0}
+    for name in ("world_size", "local_world_size", "num_nodes"):
+        value = values.get(name, defaults[name])
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EnvError(f"'{name}' must be an integer >= 1 (got {value!r:.80})")
+    checks = (("rank", values.get("world_size", 1)),
+              ("local_rank", values.get("local_world_size", 1)),
+              ("node_rank", values.get("num_nodes", 1)))
+    for name, bound in checks:
+        value = values.get(name, defaults[name])
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
+            raise EnvError(f"'{name}' must be an integer in [0, {bound}) (got {value!r:.80})")
+    port = values.get("master_port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 1 <= port <= 65535):
+        raise EnvError(f"'master_port' must be an integer in [1, 65535] or None (got {port!r:.80})")
 
 
 @attrs.frozen
@@ -55,7 +108,7 @@ class Env:
     num_nodes: int = 1
     master_addr: str | None = None
     master_port: int | None = None
-    device: torch.device = attrs.field(default=torch.device("cpu"), converter=torch.device)
+    device: torch.device = attrs.field(default=torch.device("cpu"), converter=_to_device)
     backend: str = "gloo"
     precisions: tuple[Precision, ...] = ("fp32", "bf16")
     device_memory_bytes: int | None = None
@@ -64,20 +117,22 @@ class Env:
     config_path: str | None = None
 
     def __attrs_post_init__(self) -> None:
-        for name in ("world_size", "local_world_size", "num_nodes"):
+        check_topology(attrs.asdict(self, recurse=False))
+        if not isinstance(self.precisions, tuple) or \
+                any(p not in precision.NAMES for p in self.precisions):
+            raise EnvError(f"'precisions' must be a tuple of {', '.join(map(repr, precision.NAMES))} "
+                           f"(got {self.precisions!r:.80})")
+        for name in ("master_addr", "backend", "config_path"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise EnvError(f"'{name}' must be an integer >= 1 (got {value!r})")
-        checks = (("rank", self.world_size), ("local_rank", self.local_world_size),
-                  ("node_rank", self.num_nodes))
-        for name, bound in checks:
-            value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value < bound:
-                raise EnvError(f"'{name}' must be an integer in [0, {bound}) (got {value!r})")
-        unknown = [p for p in self.precisions if p not in precision.NAMES]
-        if unknown:
-            raise EnvError(f"'precisions' may hold {', '.join(map(repr, precision.NAMES))} "
-                           f"(got {unknown!r})")
+            if not isinstance(value, str) and (value is not None or name == "backend"):
+                raise EnvError(f"'{name}' must be a str (got {value!r:.80})")
+        memory = self.device_memory_bytes
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int)
+                                   or memory < 0):
+            raise EnvError(f"'device_memory_bytes' must be an integer >= 0 or None "
+                           f"(got {memory!r:.80})")
+        if self.launcher not in _LAUNCHERS:
+            raise EnvError(f"'launcher' must be one of {_LAUNCHERS} (got {self.launcher!r:.80})")
 
     @property
     def is_main(self) -> bool:
@@ -91,11 +146,17 @@ class Env:
 
 
 def _int(environ: Mapping[str, str], key: str) -> int:
+    """Variable ``key`` as an integer: >= 1 for a size or count, >= 0 for a rank or id."""
     raw = environ[key]
+    low = 1 if key.endswith(("SIZE", "TASKS", "NODES")) else 0
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
-        raise EnvError(f"environment variable {key} must be an integer (got {raw!r})") from None
+        value = -1
+    if value < low or not raw.strip().lstrip("+").isdigit():
+        raise EnvError(f"environment variable {key} must be an integer >= {low} "
+                       f"(got {raw!r:.80})") from None
+    return value
 
 
 def first_host(nodelist: str) -> str:
@@ -275,14 +336,16 @@ def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env
     values.update({k: v for k, v in overrides.items() if k in
                    ("world_size", "rank", "local_rank", "local_world_size", "node_rank",
                     "num_nodes", "master_addr", "master_port", "launcher")})
+    check_topology(values)
     device = overrides.get("device")
     if device is None:
         device = _pick_device(values.get("local_rank", 0), values.get("world_size", 1))
-    device = torch.device(device)
+    device = _to_device(device)
+    check_device(device)
     values.update(_device_facts(device, values.get("world_size", 1)))
     values["device"] = device
     values["config_path"] = environ.get(CONFIG_ENV_VAR) or None
     values.update(overrides)
-    if "precisions" in values:
+    if isinstance(values.get("precisions"), (list, tuple)):
         values["precisions"] = tuple(values["precisions"])
     return Env(**values)

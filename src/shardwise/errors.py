@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "ShardwiseError",
+    "ArgumentError",
     "EnvError",
     "ConflictError",
     "PrecisionError",
@@ -25,6 +26,13 @@ __all__ = [
 
 class ShardwiseError(Exception):
     """Base class of every error shardwise raises on purpose."""
+
+
+class ArgumentError(ShardwiseError, TypeError, ValueError):
+    """An argument to a shardwise function or transform has the wrong type or value.
+
+    Both a ``TypeError`` and a ``ValueError``, so either ``except`` catches it.
+    """
 
 
 class EnvError(ShardwiseError, ValueError):

@@ -17,6 +17,7 @@ import torch
 
 from shardwise.bundle import Bundle
 from shardwise.checkpoint import latest_checkpoint, load, save
+from shardwise.errors import ArgumentError
 from shardwise.loggers import Logger
 from shardwise.metrics import reduce
 from shardwise.state import TrainState
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 def _count(name: str, value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"fit() '{name}' must be an integer >= 1 or None (got {value!r})")
+        raise ArgumentError(f"fit() '{name}' must be an integer >= 1 or None (got {value!r})")
 
 
 def _bar(bundle: Bundle, state: TrainState, steps: int | None, show: bool) -> Any:
@@ -61,12 +62,12 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
         >>> state = sw.fit(bundle, epochs=3, checkpoint_dir="ckpt", checkpoint_every=500)
     """
     if epochs is None and steps is None:
-        raise ValueError("fit() needs 'epochs' or 'steps' (got neither)")
+        raise ArgumentError("fit() needs 'epochs' or 'steps' (got neither)")
     for name, value in (("epochs", epochs), ("steps", steps), ("checkpoint_every",
                         checkpoint_every), ("eval_every", eval_every), ("log_every", log_every)):
         _count(name, value)
     if bundle.loader is None:
-        raise ValueError("fit() needs a bundle with a loader: pass one to the pipeline call")
+        raise ArgumentError("fit() needs a bundle with a loader: pass one to the pipeline call")
     if state is None:
         resumable = checkpoint_dir is not None and latest_checkpoint(checkpoint_dir) is not None
         state = load(checkpoint_dir, bundle) if resumable else bundle.init()  # type: ignore[arg-type]
@@ -120,8 +121,8 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
                 if steps is not None and state.step >= steps:
                     break
             if state.micro_step == before:
-                raise ValueError("fit(): bundle.loader yielded no batch in an epoch; check the "
-                                 "dataset's length against the batch size and world size")
+                raise ArgumentError("fit(): bundle.loader yielded no batch in an epoch; check the "
+                                    "dataset's length against the batch size and world size")
         evaluate()
         checkpoint()
     except KeyboardInterrupt:

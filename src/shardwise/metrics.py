@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardwise.data import DeviceLoader
-from shardwise.errors import DataError
+from shardwise.errors import ArgumentError, DataError
 
 __all__ = ["gather_for_metrics", "reduce"]
 
@@ -110,7 +110,7 @@ def reduce(value: torch.Tensor | float, op: ReduceOp = "mean") -> torch.Tensor:
         >>> mean_loss = sw.reduce(out.loss)
     """
     if op not in ("mean", "sum", "max", "min"):
-        raise ValueError(f"reduce() 'op' must be 'mean', 'sum', 'max' or 'min' (got {op!r})")
+        raise ArgumentError(f"reduce() 'op' must be 'mean', 'sum', 'max' or 'min' (got {op!r})")
     tensor = (value.detach().clone() if isinstance(value, torch.Tensor)
               else torch.tensor(float(value), dtype=torch.float64))
     if not _joined():

@@ -15,7 +15,7 @@ from shardwise.choice import SAFE_FRACTION, choose_distribution, sample_batch
 from shardwise.configs import ConfigResult, read_config
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env, detect
-from shardwise.errors import ConflictError
+from shardwise.errors import ArgumentError, ConflictError
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, check_on_nonfinite
 from shardwise.transforms.base import Stage, Transform, check_combination
@@ -151,9 +151,7 @@ class Pipeline:
         Raises:
             OptimizerError: the optimizer already holds state.
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"pipeline(...)(model, ...) needs a torch.nn.Module "
-                            f"(got {type(model).__name__})")
+        _check_call(model, optimizer, loader, scheduler, loss_fn, eval_loader)
         refuse_state(optimizer)
         resolved = self.resolve(model, optimizer, loader=loader)
         ensure_process_group(self.env)
@@ -163,6 +161,36 @@ class Pipeline:
         for transform in resolved.transforms:
             bundle = transform(bundle)
         return bundle
+
+
+def _check_call(model: Any, optimizer: Any, loader: Any, scheduler: Any, loss_fn: Any,
+                eval_loader: Any) -> None:
+    """Refuse, before anything changes, what a step would only fail on later."""
+    where = "pipeline(...)(model, optimizer, loader, ...)"
+
+    def refuse(name: str, value: Any, accepted: str) -> None:
+        raise ArgumentError(f"{where} '{name}' must be {accepted} (got {type(value).__name__}: "
+                            f"{value!r:.80})")
+
+    if not isinstance(model, torch.nn.Module):
+        refuse("model", model, "a torch.nn.Module")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        refuse("optimizer", optimizer, "a torch.optim.Optimizer or None")
+    for name, value in (("loader", loader), ("eval_loader", eval_loader)):
+        if value is not None and (isinstance(value, (str, bytes))
+                                  or not hasattr(value, "__iter__")):
+            refuse(name, value, "an iterable of batches (e.g. a DataLoader) or None")
+    if scheduler is not None:
+        missing = [m for m in ("step", "state_dict", "load_state_dict")
+                   if not callable(getattr(scheduler, m, None))]
+        if missing:
+            refuse("scheduler", scheduler, "an LR scheduler (an object with step(), state_dict() "
+                   "and load_state_dict(), e.g. torch.optim.lr_scheduler.CosineAnnealingLR) or "
+                   f"None; it has no {', '.join(missing)}")
+        if optimizer is None:
+            raise ArgumentError(f"{where}: a scheduler needs the optimizer it schedules")
+    if loss_fn is not None and not callable(loss_fn):
+        refuse("loss_fn", loss_fn, "a callable (model, batch) -> loss or (loss, num_items)")
 
 
 def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pipeline:
@@ -193,8 +221,8 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
     transforms = [p for p in parts if isinstance(p, Transform)]
     for part in parts:
         if not isinstance(part, (Env, Transform)):
-            raise TypeError(f"pipeline() takes an Env and transforms (got {part!r} of type "
-                            f"{type(part).__name__}); build transforms with sw.replicate(), ...")
+            raise ArgumentError(f"pipeline() takes an Env and transforms (got {part!r} of type "
+                                f"{type(part).__name__}); build transforms with sw.replicate(), ...")
     if len(envs) > 1:
         raise ConflictError(f"pipeline() got {len(envs)} Envs ({envs[0]!r} and {envs[1]!r}); "
                             "pass one")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import attrs
 from torch import nn
 
-from shardwise.errors import PolicyError
+from shardwise.errors import ArgumentError, PolicyError
 
 __all__ = [
     "Policy", "auto", "by_class", "by_size", "select", "candidate_blocks", "repeated_blocks",
@@ -132,10 +132,10 @@ def by_class(*classes: str | type) -> Policy:
         TypeError: no class given, or something that is neither a string nor a class.
     """
     if not classes:
-        raise TypeError("by_class() needs at least one class or class name")
+        raise ArgumentError("by_class() needs at least one class or class name")
     for cls in classes:
         if not isinstance(cls, (str, type)):
-            raise TypeError(f"by_class() takes class names or classes (got {cls!r})")
+            raise ArgumentError(f"by_class() takes class names or classes (got {cls!r})")
     return _ByClass(tuple(classes))
 
 
@@ -149,16 +149,16 @@ def by_size(min_params: int) -> Policy:
         ValueError: ``min_params`` is not a positive integer.
     """
     if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1:
-        raise ValueError(f"by_size() 'min_params' must be an integer >= 1 (got {min_params!r})")
+        raise ArgumentError(f"by_size() 'min_params' must be an integer >= 1 (got {min_params!r})")
     return _BySize(min_params)
 
 
 def check_policy(policy: object, user: str) -> None:
     """Raise unless ``policy`` can be called as ``policy(name, module)``."""
     if not callable(policy):
-        raise TypeError(f"{user}: a policy must be auto(), by_class(...), by_size(...) or a "
-                        f"callable (name, module) -> bool (got {policy!r}); for a class name "
-                        f"write by_class({policy!r})")
+        raise ArgumentError(f"{user}: a policy must be auto(), by_class(...), by_size(...) or a "
+                            f"callable (name, module) -> bool (got {policy!r}); for a class name "
+                            f"write by_class({policy!r})")
 
 
 def _resolve(policy: Policy, model: nn.Module) -> Policy:

@@ -8,6 +8,8 @@ from typing import Any, Literal, get_args
 import attrs
 import torch
 
+from shardwise.errors import ArgumentError
+
 __all__ = ["TrainState", "StepOutput", "PROGRESS", "OnNonFinite", "check_on_nonfinite"]
 
 #: What a non-finite loss or gradient does in fp32/bf16: raise, or skip the optimizer step.
@@ -67,7 +69,7 @@ class TrainState:
         names = set(PROGRESS)
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ValueError(f"TrainState has no field(s) {unknown}; accepted: {sorted(names)}")
+            raise ArgumentError(f"TrainState has no field(s) {unknown}; accepted: {sorted(names)}")
         counters: dict[str, Any] = {k: int(v) for k, v in data.items()}
         return cls(**counters)
 
@@ -96,4 +98,4 @@ def check_on_nonfinite(value: Any, where: str, *, allow_none: bool = False) -> N
     if value in _ON_NONFINITE or (allow_none and value is None):
         return
     accepted = "'raise', 'skip' or None" if allow_none else "'raise' or 'skip'"
-    raise ValueError(f"{where} 'on_nonfinite' must be {accepted} (got {value!r})")
+    raise ArgumentError(f"{where} 'on_nonfinite' must be {accepted} (got {value!r})")

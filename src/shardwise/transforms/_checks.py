@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
 
+from shardwise.errors import ArgumentError
 from shardwise.policies import Policy, auto, check_policy
 
 __all__ = ["boolean", "optional_boolean", "integer", "integer_at_least_one", "positive_float",
-           "positive_number", "to_policy"]
+           "positive_number", "to_policy", "MAX_COUNT", "MAX_MIB"]
 
 
 def _where(instance: Any, attribute: attrs.Attribute[Any]) -> str:
@@ -20,39 +22,60 @@ def _where(instance: Any, attribute: attrs.Attribute[Any]) -> str:
 def boolean(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     """True or False."""
     if not isinstance(value, bool):
-        raise TypeError(f"{_where(instance, attribute)} must be a bool (got {value!r})")
+        raise ArgumentError(f"{_where(instance, attribute)} must be a bool (got {_short(value)})")
 
 
 def optional_boolean(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     """True, False or None."""
     if value is not None and not isinstance(value, bool):
-        raise TypeError(f"{_where(instance, attribute)} must be True, False or None "
-                        f"(got {value!r})")
+        raise ArgumentError(f"{_where(instance, attribute)} must be True, False or None "
+                            f"(got {_short(value)})")
 
 
 def integer(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """An int (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{_where(instance, attribute)} must be an int (got {value!r})")
+    """An int (not a bool) that fits in 64 bits, as a torch generator's seed must."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -2**63 <= value < 2**63:
+        raise ArgumentError(f"{_where(instance, attribute)} must be an integer in "
+                            f"[-2**63, 2**63) (got {_short(value)})")
+
+
+#: The largest count a transform takes (a window of micro-batches, ...): a C int.
+MAX_COUNT = 2**31 - 1
 
 
 def integer_at_least_one(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """An int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{_where(instance, attribute)} must be an integer >= 1 (got {value!r})")
+    """An int in [1, 2**31 - 1]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+        raise ArgumentError(f"{_where(instance, attribute)} must be an integer in "
+                            f"[1, {MAX_COUNT}] (got {_short(value)})")
+
+
+#: The largest size in MiB a transform takes (DDP's bucket size): 1 TiB.
+MAX_MIB = 2**20
 
 
 def positive_number(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """An int or float > 0 (NaN refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{_where(instance, attribute)} must be a number > 0 (got {value!r})")
+    """A finite number in (0, 2**20] (a size in MiB; NaN and inf refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not 0 < value <= MAX_MIB:
+        raise ArgumentError(f"{_where(instance, attribute)} must be a number in (0, {MAX_MIB}] "
+                            f"(got {_short(value)})")
 
 
-def positive_float(value: Any, factory: str, name: str) -> float:
-    """``value`` as a float if it is a number > 0 (checked first, so errors show the input)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{factory}() '{name}' must be a number > 0 (got {value!r})")
+def positive_float(value: Any, factory: str, name: str, *, infinite: bool = False) -> float:
+    """``value`` as a float if it is a number > 0, finite unless ``infinite`` (checked before
+    converting, so errors show the input)."""
+    finite = isinstance(value, (int, float)) and (infinite or math.isfinite(value))
+    if isinstance(value, bool) or not finite or not value > 0:
+        accepted = "a number > 0 or math.inf" if infinite else "a finite number > 0"
+        raise ArgumentError(f"{factory}() '{name}' must be {accepted} (got {_short(value)})")
     return float(value)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters: a message never holds a huge value."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def to_policy(value: Any, factory: str) -> Policy:

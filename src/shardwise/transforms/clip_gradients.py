@@ -27,7 +27,7 @@ class ClipGradients(Transform):
         norm_type: the p of the p-norm, > 0 or ``math.inf``.
 
     Raises:
-        ValueError: a non-positive or non-numeric value.
+        ArgumentError: a non-positive, non-finite (max_norm) or non-numeric value.
 
     Example:
         >>> pipe = sw.pipeline(sw.clip_gradients(1.0))
@@ -37,7 +37,8 @@ class ClipGradients(Transform):
         converter=lambda value: positive_float(value, "clip_gradients", "max_norm"))
     norm_type: float = attrs.field(
         default=2.0, kw_only=True,
-        converter=lambda value: positive_float(value, "clip_gradients", "norm_type"))
+        converter=lambda value: positive_float(value, "clip_gradients", "norm_type",
+                                     infinite=True))
     stage: ClassVar[Stage] = Stage.SETTINGS
     factory_name: ClassVar[str] = "clip_gradients"
 

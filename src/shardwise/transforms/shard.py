@@ -16,7 +16,7 @@ from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.engines import Engine, FSDPEngine, LocalEngine
 from shardwise.env import Env
-from shardwise.errors import ConflictError, EnvError
+from shardwise.errors import ArgumentError, ConflictError, EnvError
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
 from shardwise.plan import Plan
 from shardwise.policies import Policy, select
@@ -44,7 +44,7 @@ def build_mesh(env: Env, replicate_across_nodes: bool) -> DeviceMesh:
 
 def _mesh(instance: Any, attribute: Any, value: Any) -> None:
     if value is not None and not isinstance(value, DeviceMesh):
-        raise TypeError(f"shard() 'mesh' must be a torch DeviceMesh (got {value!r})")
+        raise ArgumentError(f"shard() 'mesh' must be a torch DeviceMesh (got {value!r})")
 
 
 @attrs.frozen(repr=False)
@@ -84,8 +84,8 @@ class Shard(Distribution):
 
     def __attrs_post_init__(self) -> None:
         if self.mesh is not None and self.replicate_across_nodes:
-            raise ValueError("shard() takes either 'mesh' or 'replicate_across_nodes=True' (got "
-                             "both); pass a 2-D mesh yourself, or let shard() build it")
+            raise ArgumentError("shard() takes either 'mesh' or 'replicate_across_nodes=True' (got "
+                                "both); pass a 2-D mesh yourself, or let shard() build it")
     factory_name: ClassVar[str] = "shard"
 
     def engine(self, env: Env, plan: Plan) -> Engine:

@@ -89,3 +89,65 @@ def test_written_configs_are_read_by_accelerate(tmp_path):
     fsdp = loader.load_config_from_file(str(path))
     assert str(fsdp.distributed_type).endswith("FSDP") and str(fsdp.mixed_precision) == "bf16"
     assert fsdp.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "TinyDecoderBlock"
+
+
+def _write(path, content):
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    return path
+
+
+@pytest.mark.parametrize("argv, files, names", [
+    (["launch", "--config_file", "{bad.yaml}", "t.py"], {"bad.yaml": "a: [1, 2\n"},
+     "is not valid YAML"),
+    (["launch", "--config_file", "{latin.yaml}", "t.py"], {"latin.yaml": b"num_processes: 2 # \xe9\n"},
+     "is not UTF-8"),
+    (["launch", "--config_file", "{.}", "t.py"], {}, "not a file"),
+    (["launch", "--main_process_port", "99999", "t.py"], {}, "main_process_port=99999"),
+    (["launch", "--max_restarts", "-1", "t.py"], {}, "--max_restarts -1"),
+    (["launch", "--config_file", "{c.yaml}", "t.py"], {"c.yaml": "num_processes: 2.5\n"},
+     "num_processes=2.5"),
+    (["launch", "--config_file", "{c.yaml}", "t.py"], {"c.yaml": "num_processes: -3\n"},
+     "num_processes=-3"),
+    (["launch", "--config_file", "{c.yaml}", "t.py"], {"c.yaml": "num_processes: true\n"},
+     "num_processes=True"),
+    (["launch", "--config_file", "{c.yaml}", "t.py"], {"c.yaml": "gpu_ids: [0, x]\n"},
+     "gpu_ids="),
+    (["launch", "--config_file", "{c.yaml}", "t.py"], {"c.yaml": "rdzv_backend: etcd\n"},
+     "rdzv_backend='etcd'"),
+    (["estimate-memory", "{c.json}"], {"c.json": "[1, 2]"}, "must hold a mapping"),
+    (["estimate-memory", "{c.json}"], {"c.json": "{\"model_type\": 3}"}, "model_type=3"),
+    (["estimate-memory", "{c.json}"], {"c.json": "{\"model_type\": \"llama\", \"hidden_size\": \"x\"}"},
+     "cannot build a causal LM"),
+    (["estimate-memory", "{c.json}"], {"c.json": "{\"a\": 1, \"a\": 2}"}, "'a'"),
+    (["estimate-memory", "{c.json}"], {"c.json": b"\xff\xfe"}, "is not UTF-8"),
+    (["estimate-memory", "no.such.module:build"], {}, "cannot import 'build'"),
+    (["estimate-memory", "shardwise.testing:TinyMLP", "--world_sizes", "2,x"], {}, "--world_sizes"),
+    (["estimate-memory", "shardwise.testing:TinyMLP", "--precisions", "fp8"], {}, "--precisions"),
+    (["estimate-memory", "shardwise.testing:TinyMLP", "--batch_size", "0"], {}, "--batch_size 0"),
+    (["config", "default", "--config_file", "{.}"], {}, "cannot write"),
+])
+def test_bad_command_line_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, argv, files,
+                                                       names):
+    monkeypatch.setenv("SHARDWISE_CONFIG_DIR", str(tmp_path / "none"))
+    for name, content in files.items():
+        _write(tmp_path / name, content)
+    argv = [str(tmp_path / a[1:-1]) if a.startswith("{") else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"shardwise {argv[0]}: ") and "\n" not in err, err
+    assert names in err, err
+
+
+def test_config_asks_again_until_the_answer_is_a_count(tmp_path):
+    path = tmp_path / "c.yaml"
+    cli("config", "--config_file", str(path), stdin="MULTI_CPU\nabc\n-3\n2.5\n3\nno\n")
+    assert yaml.safe_load(path.read_text())["num_processes"] == 3
+
+
+def test_gpu_ids_become_a_cuda_visible_devices_list():
+    from shardwise.cli.launch import visible_devices
+
+    assert visible_devices([0, 1]) == "0,1" and visible_devices("2, 3") == "2,3"
+    assert visible_devices(1) == "1"
+    with pytest.raises(sw.errors.ConfigError, match="gpu_ids="):
+        visible_devices(True)

@@ -93,3 +93,41 @@ def test_a_rank_that_raises_ends_the_job_within_seconds(tmp_path):
     assert "leaving at once, without the exit barrier" in proc.stderr
     # torchrun's start-up is ~5 s here; waiting at the exit barrier took 60 s more
     assert took < 15, (took, proc.stderr[-2000:])
+
+
+STALLING = """
+import time, torch, shardwise as sw
+env = sw.detect(timeout=4)
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+bundle = sw.pipeline(env, sw.replicate(), sw.accumulate_gradients(2))(
+    model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda m, b: m(b).pow(2).mean())
+state = bundle.init()
+for i in range(8):
+    if env.rank == 1 and i == 5:
+        print("rank 1 stalls", flush=True)
+        time.sleep(300)  # stops reaching the collectives, without failing
+    state, out = bundle.step(state, torch.ones(2, 4))
+"""
+
+
+def test_a_stalled_rank_is_named_and_the_job_ends_within_the_timeout(tmp_path):
+    script = tmp_path / "stalling.py"
+    script.write_text(STALLING)
+    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--num_processes", "2", str(script)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "SHARDWISE_CONFIG_DIR": str(tmp_path)})
+    took = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    # rank 0 names the step, the micro-step and the part of it, and the rank that went silent
+    assert ("CollectiveError: rank 0: a collective failed at optimizer step 3 (micro-step 6), "
+            "forward and backward") in proc.stderr, proc.stderr[-3000:]
+    assert "rank(s) 1 did not report within 3 s: stalled or gone" in proc.stderr
+    # the launcher's last line says which rank failed first, with its exception
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("shardwise launch: rank 0 failed first (exit code 1): "
+                           "CollectiveError: rank 0: a collective failed at optimizer step 3"), last
+    # start-up (~5-10 s here) + the 4 s timeout + 3 s for the peers' reports, not 300 s
+    assert took < 60, (took, proc.stderr[-2000:])

@@ -55,11 +55,12 @@ def test_launch_hands_its_config_to_the_script(tmp_path):
     assert "on 2 process(es)" in proc.stdout
 
 
-def test_a_failing_script_fails_the_launch(tmp_path):
+def test_a_failing_script_fails_the_launch_with_its_own_exit_code(tmp_path):
     script = tmp_path / "fail.py"
-    script.write_text("raise SystemExit(3)\n")
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
     proc = launch("--num_processes", "2", str(script))
-    assert proc.returncode != 0
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "shardwise launch: rank 1 failed first (exit code 3)" in proc.stderr
 
 
 def test_torchrun_arguments_for_one_and_several_machines():

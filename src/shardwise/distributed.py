@@ -16,17 +16,22 @@ import torch
 import torch.distributed as dist
 
 from shardwise.env import Env, detect
-from shardwise.errors import EnvError
+from shardwise.errors import CollectiveError, EnvError
 
-__all__ = ["ensure_process_group", "joined", "all_agree", "main_process_first"]
+__all__ = ["ensure_process_group", "joined", "all_agree", "main_process_first",
+           "collective_failure"]
 
 log = logging.getLogger(__name__)
 
 # How long the exit barrier waits for the other ranks before leaving anyway.
 _EXIT_BARRIER = datetime.timedelta(seconds=60)
 _groups_started = 0  # distinguishes the exit-barrier keys of successive groups in one process
+# How long a rank whose collective failed waits for the others to report theirs.
+_PEER_REPORT = datetime.timedelta(seconds=3)
 # the group started here and its exit-barrier store; None once left
 _started: tuple[dist.ProcessGroup | None, dist.Store] | None = None
+# the store where ranks whose collective failed say where they were (None: no group here)
+_reports: dist.Store | None = None
 # set by the excepthook shardwise installs when it starts a group: this rank is failing
 _failing: list[BaseException] = []
 
@@ -56,8 +61,88 @@ def _note_failure(previous: object) -> object:
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         _failing.append(exc)
         previous(kind, exc, tb)  # type: ignore[operator]
+        _record_for_launcher(exc, tb)
 
     return hook
+
+
+def _record_for_launcher(exc: BaseException, tb: TracebackType | None) -> None:
+    """Write torchrun's error file (``$TORCHELASTIC_ERROR_FILE``): its summary then shows
+    this exception and when it happened, and names the rank that failed first."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    import json
+    import time
+    import traceback
+
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
+        "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as stream:
+            json.dump(data, stream)
+    except OSError as error:  # the launcher's summary is then less precise, nothing else
+        log.warning("could not write the launcher's error file %s: %s", path, error)
+
+
+def collective_failure(exc: BaseException, where: str) -> CollectiveError | None:
+    """A :class:`CollectiveError` naming ``where`` and the ranks that did not report, if
+    ``exc`` is a collective that failed (timed out, or a peer went away); else None.
+
+    Every rank whose collective fails says where it was on the rendezvous store, then waits
+    a few seconds for the others: a rank that says nothing is stalled or gone, and a rank
+    that says something else is somewhere else in the program.
+    """
+    if not _is_collective_failure(exc) or not dist.is_initialized():
+        return None
+    rank, size = dist.get_rank(), dist.get_world_size()
+    reports = _peer_reports(rank, size, where)
+    silent = [r for r in range(size) if r != rank and r not in reports]
+    elsewhere = {r: w for r, w in reports.items() if r != rank and w != where}
+    parts = [f"rank {rank}: a collective failed at {where}: {_first_line(exc)}"]
+    if silent:
+        parts.append(f"rank(s) {', '.join(map(str, silent))} did not report within "
+                     f"{_PEER_REPORT.total_seconds():.0f} s: stalled or gone (the first place to "
+                     "look)")
+    parts += [f"rank {r} was at {w}" for r, w in sorted(elsewhere.items())]
+    if not silent and not elsewhere and size > 1:
+        parts.append("every rank reported the same place: a network or peer failure")
+    return CollectiveError("; ".join(parts))
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(mark in text for mark in (
+        "Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
+        "Broken pipe", "NCCL", "ProcessGroup"))
+
+
+def _first_line(exc: BaseException) -> str:
+    line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return line[:300]
+
+
+def _peer_reports(rank: int, size: int, where: str) -> dict[int, str]:
+    """What each rank that reported within ``_PEER_REPORT`` said (this one included)."""
+    import time
+
+    store = _reports
+    if store is None:
+        return {}
+    try:
+        store.set(str(rank), where)
+        deadline = time.monotonic() + _PEER_REPORT.total_seconds()
+        keys = [str(r) for r in range(size)]
+        while time.monotonic() < deadline and not store.check(keys):
+            time.sleep(0.05)
+        return {r: store.get(str(r)).decode(errors="replace")[:200]
+                for r in range(size) if store.check([str(r)])}
+    except Exception as error:  # the store's host is gone too: say nothing about the peers
+        log.warning("could not compare notes with the other ranks: %s", error)
+        return {}
 
 
 def _shutdown() -> None:
@@ -131,13 +216,17 @@ def ensure_process_group(env: Env) -> None:
     store, _, _ = next(dist.rendezvous(init_method, rank=env.rank, world_size=env.world_size,
                                        timeout=env.timeout))
     store.set_timeout(env.timeout)
-    dist.init_process_group(
-        backend=env.backend, store=dist.PrefixStore("default_pg", store), world_size=env.world_size,
-        rank=env.rank, timeout=env.timeout, device_id=device_id)
-    global _groups_started, _started
+    # keys under this attempt of an elastic job and this group of the process: a restarted
+    # worker must never read the addresses its dead predecessor left in the agent's store
+    global _groups_started, _started, _reports
     _groups_started += 1
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    exit_store = dist.PrefixStore(f"shardwise/exit/{restart}/{_groups_started}", store)
+    scope = f"shardwise/{restart}/{_groups_started}"
+    dist.init_process_group(
+        backend=env.backend, store=dist.PrefixStore(f"{scope}/default_pg", store),
+        world_size=env.world_size, rank=env.rank, timeout=env.timeout, device_id=device_id)
+    exit_store = dist.PrefixStore(f"{scope}/exit", store)
+    _reports = dist.PrefixStore(f"{scope}/failed", store)
     if _groups_started == 1:
         atexit.register(_shutdown)
         sys.excepthook = _note_failure(sys.excepthook)  # type: ignore[assignment]

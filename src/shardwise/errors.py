@@ -18,6 +18,7 @@ __all__ = [
     "NonFiniteError",
     "DataError",
     "RankFailedError",
+    "CollectiveError",
     "PolicyError",
     "CheckpointError",
     "ConfigError",
@@ -65,6 +66,11 @@ class DataError(ShardwiseError, ValueError):
 
 class RankFailedError(ShardwiseError, RuntimeError):
     """A rank started by :func:`shardwise.testing.run_distributed` failed or timed out."""
+
+
+class CollectiveError(ShardwiseError, RuntimeError):
+    """A collective failed (timed out, or a peer went away); names where, and which ranks
+    did not report."""
 
 
 class PolicyError(ShardwiseError, ValueError):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from shardwise import precision as precisions
 from shardwise.data import DeviceLoader, to_device
+from shardwise.distributed import collective_failure
 from shardwise.engines.base import Engine
 from shardwise.env import Env
 from shardwise.errors import LossError, NonFiniteError, OptimizerError
@@ -109,6 +110,7 @@ class Stepper:
         self.move = loader is None and env.device.type != "cpu"
         self.device = env.device
         self.scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.phase = ""  # where in the step we are, for naming a failed collective
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """The loss, and the item count when the loss is a sum."""
@@ -225,11 +227,14 @@ class Stepper:
         if self.scaler is not None:
             self.scaler.unscale_(stepping)
         if total is not None:
+            self.phase = "all-reduce of the window's item count"
             self.normalise(total)
         elif batches < self.window:  # each loss was divided by the full window
             self.rescale(self.window / batches)
+        self.phase = "finiteness check and clipping (all-reduce)"
         norm, finite = self.check_grads(losses)
         skipped = not finite
+        self.phase = "optimizer step"
         if self.scaler is not None:  # fp16: the scaler's skip, never an error
             if finite:
                 self.scaler.step(stepping)
@@ -271,15 +276,23 @@ class Stepper:
         if self.move:
             batch = to_device(batch, self.device)
         no_sync = None if boundary else self.engine.no_sync(self.model, state)
-        if no_sync is None:
-            loss, total, weighted, losses = self.backward(state, batch)
-        else:
-            with no_sync():
+        self.phase = "forward and backward"
+        try:
+            if no_sync is None:
                 loss, total, weighted, losses = self.backward(state, batch)
-        norm, skipped = None, False
-        if boundary:
-            norm, skipped = self.update(state, total, batches, losses,
-                                        on_nonfinite or self.plan.on_nonfinite)
+            else:
+                with no_sync():
+                    loss, total, weighted, losses = self.backward(state, batch)
+            norm, skipped = None, False
+            if boundary:
+                norm, skipped = self.update(state, total, batches, losses,
+                                            on_nonfinite or self.plan.on_nonfinite)
+        except RuntimeError as exc:  # a collective that timed out or lost a peer is named
+            failure = collective_failure(exc, f"optimizer step {state.step + 1} (micro-step "
+                                              f"{micro}), {self.phase}") if self.ranks > 1 else None
+            if failure is None:
+                raise
+            raise failure from exc
         next_state = TrainState(
             step=state.step + boundary, micro_step=micro, epoch=epoch,
             batch_in_epoch=batch_in_epoch, skipped_steps=state.skipped_steps + skipped,

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(_COMMANDS[args.command].run(args))
     except ShardwiseError as exc:
-        print(f"shardwise {args.command}: {exc}", file=sys.stderr)
+        print(f"shardwise {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
 

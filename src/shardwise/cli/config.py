@@ -44,23 +44,33 @@ def _ask(question: str, default: Any, choices: list[str] | None = None) -> str:
         print(f"please answer one of {', '.join(choices)}")
 
 
-def _yes(text: str) -> bool:
-    return text.lower() in ("y", "yes", "true")
+def _ask_count(question: str, default: int) -> int:
+    """An integer >= 1, asked again until one is given."""
+    while True:
+        answer = _ask(question, default)
+        if answer.isdigit() and int(answer) >= 1:
+            return int(answer)
+        print("please answer an integer >= 1")
+
+
+def _yes(question: str, default: str) -> bool:
+    """A yes/no question's answer."""
+    return _ask(question, default, ["yes", "no", "y", "n"]) in ("yes", "y")
 
 
 def _interactive(config: dict[str, Any]) -> dict[str, Any]:
     config["distributed_type"] = _ask("How to distribute?", config["distributed_type"],
                                       ["NO", "MULTI_CPU", "MULTI_GPU", "FSDP"])
-    config["num_processes"] = int(_ask("How many processes in total?", config["num_processes"]))
+    config["num_processes"] = _ask_count("How many processes in total?", config["num_processes"])
     config["mixed_precision"] = _ask("Mixed precision?", config["mixed_precision"],
                                      ["no", "bf16", "fp16"])
     if config["distributed_type"] == "FSDP":
         layer = _ask("Transformer block class to shard (empty: found automatically)?", "")
         fsdp: dict[str, Any] = {
             "fsdp_version": 2,
-            "fsdp_reshard_after_forward": _yes(_ask("Reshard after forward?", "yes")),
-            "fsdp_cpu_offload": _yes(_ask("Offload parameters to the CPU?", "no")),
-            "fsdp_activation_checkpointing": _yes(_ask("Activation checkpointing?", "no")),
+            "fsdp_reshard_after_forward": _yes("Reshard after forward?", "yes"),
+            "fsdp_cpu_offload": _yes("Offload parameters to the CPU?", "no"),
+            "fsdp_activation_checkpointing": _yes("Activation checkpointing?", "no"),
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
         if layer:
@@ -76,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.cli.launch import default_config_path
     from shardwise.configured import from_config
     from shardwise.env import Env
+    from shardwise.errors import ConfigError
 
     config = _defaults()
     if args.mode != "default":
@@ -83,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.config_file) if args.config_file else default_config_path()
     # refuse to write what cannot be read back (on whatever device it will run)
     from_config(config, env=Env(precisions=("fp32", "bf16", "fp16")))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
     print(f"configuration saved at {path}")
     return 0

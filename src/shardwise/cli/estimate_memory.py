@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +26,52 @@ def build_model(spec: str) -> Any:
     """The model on the meta device: no weights are allocated."""
     import torch
 
-    with torch.device("meta"):
-        if ":" in spec and not Path(spec).exists():
-            module, _, name = spec.partition(":")
-            return getattr(importlib.import_module(module), name)()
-        path = Path(spec)
-        path = path / "config.json" if path.is_dir() else path
+    from shardwise.errors import ArgumentError, ConfigError
+
+    if ":" in spec and not Path(spec).exists():
+        module, _, name = spec.partition(":")
         try:
-            import transformers
-        except ImportError:
-            raise SystemExit("a config.json needs the transformers package; pass "
-                             "package.module:factory instead") from None
-        config = transformers.AutoConfig.for_model(**json.loads(path.read_text()))
-        return transformers.AutoModelForCausalLM.from_config(config)
+            factory = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ArgumentError(f"model {spec!r:.120}: cannot import {name!r} from {module!r}: "
+                                f"{exc}") from None
+        with torch.device("meta"):
+            return factory()
+    path = Path(spec)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        import transformers
+    except ImportError:
+        raise ArgumentError("a config.json needs the transformers package; pass "
+                            "package.module:factory instead") from None
+    from shardwise.configs._read import load_source
+
+    if path.suffix != ".json":
+        raise ArgumentError(f"model {spec!r:.120}: accepted: a config.json, its directory, or "
+                            "package.module:factory")
+    data = dict(load_source(path).data)  # bounded, UTF-8, a mapping, no repeated keys
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{path}: model_type={model_type!r:.80} is not accepted; accepted: a "
+                          "Transformers model type such as 'llama'")
+    try:
+        config = transformers.AutoConfig.for_model(**data)
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # Transformers' own validation errors are of many types
+        raise ConfigError(f"{path}: Transformers cannot build a causal LM from it: "
+                          f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _sizes(text: str, name: str) -> list[int]:
+    """``--world_sizes 1,2,8`` as integers >= 1."""
+    from shardwise.errors import ArgumentError
+
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and 1 <= int(p) <= 2**20 for p in parts):
+        raise ArgumentError(f"--{name} {text!r:.80} is not accepted; accepted: comma-separated "
+                            "integers >= 1, e.g. 1,2,8")
+    return [int(p) for p in parts]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +79,18 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import shardwise as sw
+    from shardwise.errors import ArgumentError
+    from shardwise.precision import NAMES
 
+    worlds = _sizes(args.world_sizes, "world_sizes")
+    precisions = [p.strip() for p in args.precisions.split(",")]
+    if not all(p in NAMES for p in precisions):
+        raise ArgumentError(f"--precisions {args.precisions!r:.80} is not accepted; accepted: "
+                            f"comma-separated names from {', '.join(NAMES)}")
+    for name in ("batch_size", "seq_len"):
+        if not 1 <= getattr(args, name) <= 2**24:
+            raise ArgumentError(f"--{name} {getattr(args, name)} is not accepted; accepted: an "
+                                "integer in [1, 16777216]")
     model = build_model(args.model)
     params = sum(p.numel() for p in model.parameters())
     ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)
@@ -63,10 +106,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'ranks':>5} {'precision':>9} {'layout':<24}{'params':>8}{'grads':>8}{'optim':>8}"
           f"{'activ.':>8}{'gathered':>9}{'total':>8}")
     gib = 2**30
-    for world in (int(w) for w in args.world_sizes.split(",")):
+    for world in worlds:
         env = sw.Env(world_size=world, local_world_size=world, device="cuda",
                      precisions=("fp32", "bf16", "fp16"))
-        for precision in args.precisions.split(","):
+        for precision in precisions:
             for name, parts in layouts.items():
                 est = sw.estimate_memory(model, [*parts, sw.mixed_precision(precision)], env,
                                          batch=batch)

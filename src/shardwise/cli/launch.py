@@ -47,18 +47,19 @@ def register(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None, bool]:
     """The config file's settings with the command line's on top, the file read, and whether
     the command line changed any of them."""
-    import yaml
-
+    from shardwise.configs._read import load_source
     from shardwise.errors import ConfigError
 
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max_restarts {args.max_restarts} is not accepted; accepted: an "
+                          "integer >= 0")
     path: Path | None = Path(args.config_file) if args.config_file else default_config_path()
     assert path is not None
     data: dict[str, Any] = {}
-    if path.is_file():
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path} must hold a mapping of keys to values")
-        data = loaded
+    if path.exists():
+        if not path.is_file():
+            raise ConfigError(f"--config_file {path}: not a file")
+        data = dict(load_source(path).data)  # bounded, UTF-8, no aliases or repeated keys
     elif args.config_file:
         raise ConfigError(f"--config_file {path}: no such file")
     else:
@@ -72,24 +73,45 @@ def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None, bo
     return data, path, changed
 
 
+def _integer(settings: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    """``settings[key]`` if it is an integer in [low, high] (a digit string too), else a
+    ConfigError naming it."""
+    from shardwise.errors import ConfigError
+
+    value = settings.get(key)
+    if value is None:
+        return default
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{key}={value!r:.80} is not accepted; accepted: an integer in "
+                          f"[{low}, {high}]")
+    return value
+
+
+def visible_devices(value: Any) -> str:
+    """``gpu_ids`` (``all``, an index, a list of them or ``"0,1"``) as CUDA_VISIBLE_DEVICES."""
+    from shardwise.errors import ConfigError
+
+    items = value if isinstance(value, list) else str(value).split(",")
+    text = [str(item).strip() for item in items]
+    if isinstance(value, bool) or not text or not all(t.isdigit() for t in text):
+        raise ConfigError(f"gpu_ids={value!r:.80} is not accepted; accepted: 'all', a "
+                          "device index, a list of them, or a comma-separated string '0,1'")
+    return ",".join(text)
+
+
 def torchrun_args(settings: dict[str, Any], args: argparse.Namespace) -> list[str]:
     """torchrun's arguments for these settings."""
     from shardwise.errors import ConfigError
 
-    def number(key: str, default: int) -> int:
-        value = settings.get(key)
-        if value is None:
-            return default
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r} is not accepted; accepted: an integer") from None
-
-    machines, total = number("num_machines", 1), number("num_processes", 1)
-    if machines < 1 or total < machines or total % machines:
+    machines = _integer(settings, "num_machines", 1, 1, 2**16)
+    total = _integer(settings, "num_processes", 1, 1, 2**20)
+    if total < machines or total % machines:
         raise ConfigError(f"num_processes={total} must be a positive multiple of "
                           f"num_machines={machines} (processes are spread evenly)")
-    port = number("main_process_port", 0 if machines == 1 else 29500)
+    machine_rank = _integer(settings, "machine_rank", 0, 0, machines - 1)
+    port = _integer(settings, "main_process_port", 0 if machines == 1 else 29500, 0, 65535)
     if port == 0:
         if machines > 1:
             raise ConfigError("main_process_port=0 (a free port) works on one machine only: "
@@ -97,22 +119,29 @@ def torchrun_args(settings: dict[str, Any], args: argparse.Namespace) -> list[st
                               "unset for 29500")
         port = free_port()
     ip = settings.get("main_process_ip") or None
+    if ip is not None and not isinstance(ip, str):
+        raise ConfigError(f"main_process_ip={ip!r:.80} is not accepted; accepted: a host "
+                          "name or address")
+    backend = settings.get("rdzv_backend") or "static"
+    if backend not in ("static", "c10d"):
+        raise ConfigError(f"rdzv_backend={backend!r:.80} is not accepted; accepted: "
+                          "'static' or 'c10d'")
     out = [f"--nproc_per_node={total // machines}", f"--max_restarts={args.max_restarts}"]
-    if machines == 1 and settings.get("rdzv_backend", "static") == "static":
+    if machines == 1 and backend == "static":
         out += ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
-    elif settings.get("rdzv_backend", "static") == "c10d":
+    elif backend == "c10d":
         ip = ip or "127.0.0.1"
         out += [f"--nnodes={machines}", "--rdzv_backend=c10d", f"--rdzv_endpoint={ip}:{port}",
                 "--rdzv_id=shardwise"]
         if settings.get("machine_rank") is not None:
             # machine 0 hosts the rendezvous store; without this every machine whose address
             # matches the endpoint (all of them on loopback) races to host it
-            out.append(f"--rdzv_conf=is_host={int(number('machine_rank', 0) == 0)}")
+            out.append(f"--rdzv_conf=is_host={int(machine_rank == 0)}")
     else:
         if ip is None or settings.get("machine_rank") is None:
             raise ConfigError("a static launch on several machines needs main_process_ip and "
                               "machine_rank (or use --rdzv_backend c10d)")
-        out += [f"--nnodes={machines}", f"--node_rank={number('machine_rank', 0)}",
+        out += [f"--nnodes={machines}", f"--node_rank={machine_rank}",
                 f"--master_addr={ip}", f"--master_port={port}"]
     if args.module:
         out.append("-m")
@@ -120,18 +149,18 @@ def torchrun_args(settings: dict[str, Any], args: argparse.Namespace) -> list[st
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the job; returns torchrun's exit code."""
+    """Start the job; returns 0, or the exit code of the rank that failed first."""
     import yaml
 
     from shardwise.env import CONFIG_ENV_VAR
 
     settings, path, changed = _settings(args)
-    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(settings, args)]
+    command = [sys.executable, "-m", "shardwise.cli._torchrun", *torchrun_args(settings, args)]
     child_env = dict(os.environ)
     if settings.get("use_cpu") is True:
         child_env["CUDA_VISIBLE_DEVICES"] = ""  # sw.detect() then picks the CPU
     elif settings.get("gpu_ids") not in (None, "all"):
-        child_env["CUDA_VISIBLE_DEVICES"] = str(settings["gpu_ids"])
+        child_env["CUDA_VISIBLE_DEVICES"] = visible_devices(settings["gpu_ids"])
     handed = None
     if path is not None and not changed:
         child_env[CONFIG_ENV_VAR] = str(path.resolve())

@@ -143,3 +143,36 @@ def test_a_scheduler_that_is_not_one_is_refused_before_the_first_step():
     with pytest.raises(sw.errors.ArgumentError, match="'scheduler' must be an LR scheduler"):
         sw.pipeline(sw.Env())(model, optimizer, scheduler="cosine")
     assert len(optimizer.state) == 0
+
+
+FIT_ARGS = ["epochs", "steps", "checkpoint_every", "keep_last", "eval_every", "log_every",
+            "eval_fn", "loggers", "progress", "state"]
+
+
+@pytest.mark.parametrize("name", FIT_ARGS)
+@given(value=ANY_VALUE)
+def test_fit_arguments_are_checked_before_the_first_step(name, value):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   [torch.ones(2, 2)] * 3, loss_fn=lambda m, b: m(b).sum())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kwargs = {"epochs": 1, "steps": 1, "progress": False, name: value}
+    try:
+        sw.fit(bundle, **kwargs)
+    except ShardwiseError as exc:
+        _names_it(exc, f"'{name}'", name)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_fit_refuses_a_bad_checkpoint_setting_before_training(tmp_path):
+    model = torch.nn.Linear(2, 1)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   [torch.ones(2, 2)] * 3, loss_fn=lambda m, b: m(b).sum())
+    with pytest.raises(sw.errors.ArgumentError, match="'keep_last' must be an integer >= 1"):
+        sw.fit(bundle, epochs=1, checkpoint_dir=tmp_path, keep_last=0, progress=False)
+    with pytest.raises(sw.errors.ArgumentError, match="'checkpoint_dir' must be a path"):
+        sw.fit(bundle, epochs=1, checkpoint_dir=3, progress=False)
+    with pytest.raises(sw.errors.ArgumentError, match="need a 'checkpoint_dir'"):
+        sw.fit(bundle, epochs=1, checkpoint_every=2, progress=False)
+    assert not any(tmp_path.iterdir())

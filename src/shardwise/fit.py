@@ -32,6 +32,30 @@ def _count(name: str, value: int | None) -> None:
         raise ArgumentError(f"fit() '{name}' must be an integer >= 1 or None (got {value!r})")
 
 
+def _check_kinds(bundle: Any, state: Any, checkpoint_dir: Any, eval_fn: Any, loggers: Any,
+                 progress: Any) -> None:
+    """Refuse, before the first step, what would only fail at a save, an evaluation or a log."""
+    def refuse(name: str, value: Any, accepted: str) -> None:
+        raise ArgumentError(f"fit() '{name}' must be {accepted} (got {type(value).__name__}: "
+                            f"{value!r:.80})")
+
+    if not isinstance(bundle, Bundle):
+        refuse("bundle", bundle, "the Bundle a pipeline call returned")
+    if state is not None and not isinstance(state, TrainState):
+        refuse("state", state, "a TrainState or None")
+    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+        refuse("checkpoint_dir", checkpoint_dir, "a path (str or os.PathLike) or None")
+    if eval_fn is not None and not callable(eval_fn):
+        refuse("eval_fn", eval_fn, "a callable bundle -> {name: number} or None")
+    if isinstance(loggers, (str, bytes)) or not isinstance(loggers, (list, tuple)):
+        refuse("loggers", loggers, "an iterable of loggers (objects with log() and close())")
+    for logger in loggers:
+        if not (callable(getattr(logger, "log", None)) and callable(getattr(logger, "close", None))):
+            refuse("loggers", logger, "loggers with log(metrics, step) and close()")
+    if not isinstance(progress, bool):
+        refuse("progress", progress, "True or False")
+
+
 def _bar(bundle: Bundle, state: TrainState, steps: int | None, show: bool) -> Any:
     """A tqdm bar of optimizer steps on the main process, or None."""
     if not show or not bundle.env.is_main:
@@ -64,8 +88,14 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     if epochs is None and steps is None:
         raise ArgumentError("fit() needs 'epochs' or 'steps' (got neither)")
     for name, value in (("epochs", epochs), ("steps", steps), ("checkpoint_every",
-                        checkpoint_every), ("eval_every", eval_every), ("log_every", log_every)):
+                        checkpoint_every), ("eval_every", eval_every), ("log_every", log_every),
+                        ("keep_last", keep_last)):
         _count(name, value)
+    if not isinstance(loggers, (str, bytes)) and hasattr(loggers, "__iter__"):
+        loggers = list(loggers)
+    _check_kinds(bundle, state, checkpoint_dir, eval_fn, loggers, progress)
+    if (checkpoint_every is not None or keep_last is not None) and checkpoint_dir is None:
+        raise ArgumentError("fit() 'checkpoint_every' and 'keep_last' need a 'checkpoint_dir'")
     if bundle.loader is None:
         raise ArgumentError("fit() needs a bundle with a loader: pass one to the pipeline call")
     if state is None:

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.properties, pytest.mark.filterwarnings("ignore")]
 ANY_VALUE = st.one_of(
     st.none(), st.booleans(),
     st.integers(min_value=-2**80, max_value=2**80),
-    st.sampled_from([0, -1, 2**31, 2**63, 2**64, 10**30]),
+    st.sampled_from([0, -1, 2**31, 2**63, 2**64, 10**30, 10**5000]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e300]),
     st.text(max_size=20), st.binary(max_size=8),

@@ -1,7 +1,10 @@
 # save / load: exact round trips and resumes on real gloo ranks, resharding, atomicity, errors.
+import contextlib
 import json
 import os
 import pickle
+import re
+import signal
 
 import pytest
 import torch
@@ -318,8 +321,8 @@ def test_the_metadata_allow_list_takes_exact_names_only(tmp_path, payload, shown
     path = sw.save(tmp_path, bundle, state)
     (path / ".metadata").write_bytes(payload)
     reseal(path)  # past the checksums, as a forger would go
-    with pytest.raises(CheckpointError, match=f"refers to .*{shown}"):
-        sw.load(path, bundle)
+    with pytest.raises(CheckpointError, match=rf"\.metadata: .*refers to .*{shown}"):
+        sw.load(path, bundle)  # the file named, the refused name shown
 
 
 def test_saving_before_the_first_step_changes_nothing(tmp_path):
@@ -628,3 +631,112 @@ def test_a_load_that_fails_reading_tensors_leaves_the_bundle_as_it_was(tmp_path)
     assert after[1].keys() == before[1].keys()
     assert all(torch.equal(after[1][k], before[1][k]) for k in before[1])
     assert after[2] == before[2] and torch.equal(after[3], before[3])
+
+
+# -- found by the property tests (tests/test_checkpoint_properties.py) ----------------------
+
+def two_checkpoints(root):
+    """Steps 1 and 2 of a one-process bundle saved in ``root``: the bundle and both paths."""
+    bundle = build([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+    older = sw.save(root, bundle, state)
+    state, _ = train_for(bundle, state, 1)
+    return bundle, older, sw.save(root, bundle, state)
+
+
+@contextlib.contextmanager
+def within(seconds):
+    """Fail instead of hanging (a BaseException, so no handler under test swallows it)."""
+    class Hang(BaseException):
+        pass
+
+    def expire(signum, frame):
+        raise Hang(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("name, replace", [
+    ("__0_0.distcp", lambda p: os.symlink(p.name, p)),  # a loop: was a RuntimeError
+    ("checksums.json", os.mkfifo),  # was skipped as absent: the checkpoint loaded unverified
+    ("rng/rank_00000.json", lambda p: os.symlink("/dev/zero", p)),  # endless: never read
+])
+def test_a_symlink_loop_a_fifo_or_a_device_is_named_and_never_read(tmp_path, name, replace):
+    bundle, older, newest = two_checkpoints(tmp_path)
+    (newest / name).unlink()
+    replace(newest / name)
+    with within(60):
+        with pytest.raises(CheckpointError, match=re.escape(str(newest / name))):
+            sw.load(newest, bundle)
+        assert sw.load(tmp_path, bundle).step == 1
+
+
+def test_a_checkpoint_that_lost_its_checksums_is_refused_unless_it_predates_them(tmp_path):
+    bundle, older, newest = two_checkpoints(tmp_path)
+    (newest / "checksums.json").unlink()
+    flip_bit(newest / "__0_0.distcp", 5000)  # in a weight: was loaded, unverified, as it is
+    with pytest.raises(CheckpointError, match=r"step_00000002/checksums\.json is missing"):
+        sw.load(newest, bundle)
+    assert sw.load(tmp_path, bundle).step == 1
+    meta = json.loads((older / "shardwise.json").read_text())
+    assert meta["checksums"] == "checksums.json"
+    del meta["checksums"]  # as written before checksums existed: loaded unverified
+    (older / "shardwise.json").write_text(json.dumps(meta))
+    (older / "checksums.json").unlink()
+    assert sw.load(older, bundle).step == 1
+
+
+def test_shardwise_json_is_read_with_a_size_bound(tmp_path):
+    bundle, older, newest = two_checkpoints(tmp_path)
+    meta = (newest / "shardwise.json").read_text()
+    (newest / "shardwise.json").write_text(meta + " " * (16 * 2**20))  # still valid JSON
+    reseal(newest)
+    with pytest.raises(CheckpointError, match=r"shardwise\.json is larger than 16777216 bytes"):
+        sw.load(newest, bundle)
+    assert sw.load(tmp_path, bundle).step == 1  # not taken as the latest either
+
+
+def test_an_incomplete_checkpoint_is_named_with_what_it_lacks(tmp_path):
+    bundle, older, newest = two_checkpoints(tmp_path)
+    (newest / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"step_00000002 is not a complete checkpoint: "
+                                              r".*step_00000002/\.metadata missing"):
+        sw.load(newest, bundle)
+    (older / "shardwise.json").unlink()
+    with pytest.raises(CheckpointError, match="not complete, or not published here: "
+                                              "step_00000001, step_00000002"):
+        sw.load(tmp_path, bundle)
+
+
+@pytest.mark.parametrize("payload", [b"\x80\x09.", b"\x82\x04."])
+def test_a_damaged_metadata_pickle_is_a_checkpoint_error_whatever_it_raises(tmp_path, payload):
+    bundle, _, newest = two_checkpoints(tmp_path)
+    (newest / ".metadata").write_bytes(payload)  # ValueError from the unpickler: it escaped
+    reseal(newest)
+    with pytest.raises(CheckpointError, match=r"\.metadata: ValueError.*partial or corrupt"):
+        sw.load(newest, bundle)
+
+
+def test_finding_the_checkpoint_to_load_reads_one_shardwise_json(tmp_path, monkeypatch):
+    from shardwise import _layout
+
+    bundle = build([], accumulate=1)
+    state = bundle.init()
+    for _ in range(4):
+        state, _ = train_for(bundle, state, 1)
+        sw.save(tmp_path, bundle, state)
+    read, real = [], _layout.read_json
+    monkeypatch.setattr(_layout, "read_json", lambda path, *a: read.append(path.parent.name)
+                        or real(path, *a))
+    assert sw.load(tmp_path, bundle).step == 4
+    assert read == ["step_00000004"]  # was every step's
+    (tmp_path / "latest").write_text("damaged")
+    read.clear()
+    assert sw.latest_checkpoint(tmp_path).name == "step_00000004"
+    assert read == ["step_00000004"]  # newest first, lazily

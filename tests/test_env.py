@@ -109,7 +109,7 @@ def test_overrides_and_timeout():
     ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, {}, "RANK must be an integer >= 0 (got 'x')"),
     ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0"}, {}, "WORLD_SIZE must be an integer >= 1"),
     ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, {}, "'rank' must be an integer in [0, 2) (got 2)"),
-    ({}, {"timeout": -1}, "'timeout' must be a finite number of seconds in (0, "),
+    ({}, {"timeout": -1}, "'timeout' must be a finite number of seconds in [0.001, "),
     ({}, {"timeout": "soon"}, "'timeout' must be a datetime.timedelta or seconds (got 'soon')"),
     ({}, {"world": 2}, "unknown override(s) ['world']"),
     ({}, {"precisions": ("fp8",)}, "'precisions' must be a tuple of"),

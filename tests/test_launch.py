@@ -173,3 +173,31 @@ def test_only_the_known_teardown_abort_is_run_once_more(tmp_path):
     results = run_jobs([[sys.executable, "-c", "import sys; sys.exit(3)"],
                         [sys.executable, "-c", "import time; time.sleep(60)"]], timeout=120)
     assert [code for code, _, _ in results] == [3, -9] and time.monotonic() - start < 30
+
+
+def test_accelerate_launch_flags_are_accepted_and_reach_the_script(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import os, shardwise as sw\n"
+                      "print('visible', repr(os.environ.get('CUDA_VISIBLE_DEVICES')))\n"
+                      "print(sw.pipeline(sw.detect()).explain())\n")
+    proc = launch("--cpu", "--num_processes", "2", "--mixed_precision", "no",
+                  "--dynamo_backend", "inductor", str(script))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("visible ''") == 2  # --cpu hides any GPU from the ranks
+    assert "mixed_precision(precision='fp32')  [from config" in proc.stdout
+    assert "--dynamo_backend inductor has no effect" in proc.stderr
+    assert "dynamo_config is not applied" in proc.stdout + proc.stderr
+
+
+def test_accelerate_flags_parse_and_unknown_flags_are_still_errors(capsys):
+    args = parse("--cpu", "--multi_gpu", "--mixed_precision", "bf16", "t.py", "--cpu")
+    assert args.cpu and args.multi_gpu and args.script_args == ["--cpu"]  # the script's own
+    with pytest.raises(SystemExit) as exit_:
+        parse("--tpu", "t.py")
+    assert exit_.value.code == 2 and "unrecognized arguments: --tpu" in capsys.readouterr().err
+
+
+def test_no_is_accelerates_name_for_full_precision():
+    import shardwise as sw
+
+    assert sw.mixed_precision("no") == sw.mixed_precision("fp32")

@@ -4,20 +4,64 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import shutil
+import stat
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
-__all__ = ["META", "LATEST", "write_durably", "publish", "is_complete", "complete_steps",
-           "latest_checkpoint"]
+__all__ = ["META", "MANIFEST", "LATEST", "write_durably", "publish", "is_complete",
+           "incomplete_parts", "complete_steps", "candidates", "latest_checkpoint",
+           "open_regular", "read_json"]
 
 log = logging.getLogger("shardwise.checkpoint")
 
 META = "shardwise.json"
+MANIFEST = "checksums.json"  # see _integrity
 LATEST = "latest"
+
+
+_MAX_JSON_BYTES = 16 * 2**20  # what shardwise writes is far smaller
+
+
+def open_regular(path: Path) -> IO[bytes]:
+    """``path`` opened for reading, when it is (or links to) a regular file.
+
+    Raises:
+        OSError: it is missing, unreadable, a directory, a FIFO or a device; opening never
+            blocks (a FIFO would wait for a writer, ``/dev/zero`` never ends).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_json(path: Path, limit: int = _MAX_JSON_BYTES) -> Any:
+    """``path`` parsed as JSON.
+
+    Raises:
+        OSError: as :func:`open_regular`.
+        ValueError: larger than ``limit`` bytes, or not JSON.
+    """
+    with open_regular(path) as stream:
+        data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError(f"{path} is nested too deeply") from None
 
 
 def write_durably(path: Path, text: str) -> None:
@@ -65,8 +109,16 @@ def is_complete(path: Path) -> bool:
     return (path / META).is_file() and (path / ".metadata").is_file()
 
 
+def incomplete_parts(path: Path) -> list[str]:
+    """When ``path`` holds some of a checkpoint's own files but is not complete, the missing
+    ones (``shardwise.json``, DCP's ``.metadata``: a file that is a directory, a FIFO or a
+    dangling link is missing); else []."""
+    if not any(os.path.lexists(path / name) for name in (META, ".metadata", MANIFEST)):
+        return []
+    return [str(path / name) for name in (META, ".metadata") if not (path / name).is_file()]
+
+
 _STEP_NAME = re.compile(r"step_\d{8}")
-_MAX_META_BYTES = 16 * 2**20
 
 
 def _is_ours(path: Path) -> bool:
@@ -77,9 +129,7 @@ def _is_ours(path: Path) -> bool:
     if not path.is_dir() or not is_complete(path):
         return False
     try:
-        if (path / META).stat().st_size > _MAX_META_BYTES:
-            return False
-        recorded = json.loads((path / META).read_text()).get("name")
+        recorded = read_json(path / META).get("name")
     except (OSError, ValueError, AttributeError):
         return False
     if recorded is None:
@@ -100,6 +150,18 @@ def complete_steps(root: Path) -> list[Path]:
     return sorted(steps, key=_step_of)
 
 
+def candidates(root: Path) -> Iterator[Path]:
+    """The checkpoints shardwise published in ``root``, best first: the one ``latest`` names
+    (when it is one), then the others, newest step first. Lazy: each ``shardwise.json`` is
+    read only when its turn comes, so the common case reads one or two."""
+    marked = _marked(root)
+    if marked is not None:
+        yield marked
+    for path in sorted(root.glob("step_*"), key=_step_of, reverse=True):
+        if path != marked and _is_ours(path):
+            yield path
+
+
 def _marked(root: Path) -> Path | None:
     """The checkpoint ``root/latest`` names, if the marker is intact, names a checkpoint
     directly in ``root`` and that checkpoint is complete; else None (with a warning)."""
@@ -107,7 +169,7 @@ def _marked(root: Path) -> Path | None:
     if not marker.is_file():
         return None
     try:
-        with open(marker, "rb") as stream:
+        with open_regular(marker) as stream:
             name = stream.read(64).decode("ascii").strip()
     except (OSError, UnicodeDecodeError) as exc:
         log.warning("ignoring the damaged marker %s (%s); using the newest complete "
@@ -130,8 +192,4 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     root = Path(directory)
     if is_complete(root):
         return root
-    marked = _marked(root)
-    if marked is not None:
-        return marked
-    complete = complete_steps(root)
-    return complete[-1] if complete else None
+    return next(candidates(root), None)

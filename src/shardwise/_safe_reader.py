@@ -51,12 +51,18 @@ class SafeReader(FileSystemReader):
         try:
             with self.fs.create_stream(path, "rb") as stream:
                 metadata = _Unpickler(stream).load()
-        except (OSError, EOFError, pickle.UnpicklingError) as exc:
-            raise CheckpointError(f"cannot read checkpoint metadata {path}: {exc}; the "
-                                  "checkpoint is partial or corrupt") from exc
-        if not isinstance(metadata, Metadata):
+        except CheckpointError as exc:  # a name off the allow-list
+            raise CheckpointError(f"{path}: {exc}") from None
+        except Exception as exc:  # a damaged pickle fails in many ways, none of them code
+            raise CheckpointError(f"cannot read checkpoint metadata {path}: {type(exc).__name__}:"
+                                  f" {str(exc)[:120]}; the checkpoint is partial or corrupt"
+                                  ) from None
+        if not (isinstance(metadata, Metadata)
+                and isinstance(getattr(metadata, "state_dict_metadata", None), dict)):
             raise CheckpointError(f"{path} does not hold DCP metadata")
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if not isinstance(storage_meta, StorageMeta):
+            storage_meta = StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata

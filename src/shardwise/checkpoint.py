@@ -33,10 +33,12 @@ from shardwise import _integrity, _rng
 from shardwise._layout import (
     LATEST,
     META,
-    complete_steps,
+    candidates,
+    incomplete_parts,
     is_complete,
     latest_checkpoint,
     publish,
+    read_json,
     write_durably,
 )
 from shardwise._safe_reader import SafeLoadPlanner, SafeReader
@@ -119,7 +121,8 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     fresh = bundle.optimizer is not None and not bundle.optimizer.state
     model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
     _refuse_code(model_sd)
-    meta = {"format": FORMAT, "name": final.name, "train_state": state.to_dict(),
+    meta = {"format": FORMAT, "name": final.name, "checksums": _integrity.MANIFEST,
+            "train_state": state.to_dict(),
             "world_size": env.world_size,
             "data": _data_position(bundle, state),
             "optimizer": plain(other, "the optimizer's hyperparameters"),
@@ -194,10 +197,13 @@ def _data_position(bundle: Bundle, state: TrainState) -> dict[str, Any]:
 
 def _read_meta(path: Path) -> dict[str, Any]:
     try:
-        meta = json.loads((path / META).read_text())
+        meta = read_json(path / META)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path / META} is missing or corrupt ({exc}); the checkpoint "
                               "is partial") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path / META} holds a {type(meta).__name__}, not a record; "
+                              "the checkpoint is corrupt")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {meta.get('format')!r}; this shardwise "
                               f"reads format {FORMAT}")
@@ -308,18 +314,12 @@ def _intact(root: Path, bundle: Bundle) -> Path:
     Raises:
         CheckpointError: no complete checkpoint, or (for an explicit one) a damaged file.
     """
-    explicit = is_complete(root)
-    candidates = [root] if explicit else []
-    if not explicit:
-        newest = latest_checkpoint(root)
-        candidates = [newest] if newest is not None else []
-        candidates += [p for p in reversed(complete_steps(root)) if p != newest]
-    if not candidates:
-        raise CheckpointError(f"no complete checkpoint in {root} (a complete one holds "
-                              f"{META} and DCP's .metadata; hidden .tmp.* directories are "
-                              "interrupted saves)")
+    explicit, lacking = is_complete(root), incomplete_parts(root)
+    if lacking:
+        raise CheckpointError(f"{root} is not a complete checkpoint: {', '.join(lacking)} "
+                              "missing or not a file; the checkpoint is partial or corrupt")
     problems: list[str] = []
-    for path in candidates:
+    for path in [root] if explicit else candidates(root):
         try:
             _integrity.verify(path, bundle.env)
             if problems:
@@ -330,7 +330,13 @@ def _intact(root: Path, bundle: Bundle) -> Path:
             if explicit:
                 raise
             problems.append(str(exc))
-    raise CheckpointError(f"no intact checkpoint in {root}: {'; '.join(problems)}")
+    if problems:
+        raise CheckpointError(f"no intact checkpoint in {root}: {'; '.join(problems)}")
+    others = sorted(p.name for p in root.glob("step_*"))
+    raise CheckpointError(
+        f"no complete checkpoint in {root} (a complete one holds {META} and DCP's .metadata; "
+        "hidden .tmp.* directories are interrupted saves)"
+        + (f"; not complete, or not published here: {', '.join(others[:10])}" if others else ""))
 
 
 def _read_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> dict[str, Any] | None:
@@ -343,7 +349,7 @@ def _read_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> dict[str, Any
         return None
     rank_file = path / "rng" / f"rank_{bundle.env.rank:05d}.json"
     try:
-        data = json.loads(rank_file.read_text())
+        data = read_json(rank_file)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{rank_file} is missing or corrupt ({type(exc).__name__}); "
                               "the random generators of this rank cannot be restored") from None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -13,6 +14,7 @@ import attrs
 import torch
 
 from shardwise import precision
+from shardwise._text import short as _short
 from shardwise.errors import EnvError
 from shardwise.precision import Precision
 
@@ -30,12 +32,12 @@ def _to_timeout(value: object) -> datetime.timedelta:
     if isinstance(value, datetime.timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+        seconds = float(value) if abs(value) < 1e300 else math.inf
     else:
-        raise EnvError(f"'timeout' must be a datetime.timedelta or seconds (got {value!r:.80})")
-    if not 0 < seconds <= _MAX_TIMEOUT_S:
-        raise EnvError(f"'timeout' must be a finite number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]"
-                       f" (got {value!r:.80})")
+        raise EnvError(f"'timeout' must be a datetime.timedelta or seconds (got {_short(value)})")
+    if not 0.001 <= seconds <= _MAX_TIMEOUT_S:
+        raise EnvError(f"'timeout' must be a finite number of seconds in [0.001, "
+                       f"{_MAX_TIMEOUT_S:.0f}] (got {_short(value)})")
     return datetime.timedelta(seconds=seconds)
 
 
@@ -49,7 +51,7 @@ def _to_device(value: object) -> torch.device:
         device = torch.device(value)  # type: ignore[call-overload]
     except (RuntimeError, TypeError, ValueError):
         raise EnvError(f"'device' must be a torch.device or a name such as 'cpu' or 'cuda:0' "
-                       f"(got {value!r:.80})") from None
+                       f"(got {_short(value)})") from None
     return device
 
 
@@ -76,18 +78,18 @@ def check_topology(values: Mapping[str, Any]) -> None:
     for name in ("world_size", "local_world_size", "num_nodes"):
         value = values.get(name, defaults[name])
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise EnvError(f"'{name}' must be an integer >= 1 (got {value!r:.80})")
+            raise EnvError(f"'{name}' must be an integer >= 1 (got {_short(value)})")
     checks = (("rank", values.get("world_size", 1)),
               ("local_rank", values.get("local_world_size", 1)),
               ("node_rank", values.get("num_nodes", 1)))
     for name, bound in checks:
         value = values.get(name, defaults[name])
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
-            raise EnvError(f"'{name}' must be an integer in [0, {bound}) (got {value!r:.80})")
+            raise EnvError(f"'{name}' must be an integer in [0, {bound}) (got {_short(value)})")
     port = values.get("master_port")
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                              or not 1 <= port <= 65535):
-        raise EnvError(f"'master_port' must be an integer in [1, 65535] or None (got {port!r:.80})")
+        raise EnvError(f"'master_port' must be an integer in [1, 65535] or None (got {_short(port)})")
 
 
 @attrs.frozen
@@ -121,18 +123,18 @@ class Env:
         if not isinstance(self.precisions, tuple) or \
                 any(p not in precision.NAMES for p in self.precisions):
             raise EnvError(f"'precisions' must be a tuple of {', '.join(map(repr, precision.NAMES))} "
-                           f"(got {self.precisions!r:.80})")
+                           f"(got {_short(self.precisions)})")
         for name in ("master_addr", "backend", "config_path"):
             value = getattr(self, name)
             if not isinstance(value, str) and (value is not None or name == "backend"):
-                raise EnvError(f"'{name}' must be a str (got {value!r:.80})")
+                raise EnvError(f"'{name}' must be a str (got {_short(value)})")
         memory = self.device_memory_bytes
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int)
                                    or memory < 0):
             raise EnvError(f"'device_memory_bytes' must be an integer >= 0 or None "
-                           f"(got {memory!r:.80})")
+                           f"(got {_short(memory)})")
         if self.launcher not in _LAUNCHERS:
-            raise EnvError(f"'launcher' must be one of {_LAUNCHERS} (got {self.launcher!r:.80})")
+            raise EnvError(f"'launcher' must be one of {_LAUNCHERS} (got {_short(self.launcher)})")
 
     @property
     def is_main(self) -> bool:
@@ -155,7 +157,7 @@ def _int(environ: Mapping[str, str], key: str) -> int:
         value = -1
     if value < low or not raw.strip().lstrip("+").isdigit():
         raise EnvError(f"environment variable {key} must be an integer >= {low} "
-                       f"(got {raw!r:.80})") from None
+                       f"(got {_short(raw)})") from None
     return value
 
 
@@ -163,7 +165,7 @@ def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list such as ``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``."""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not match:
-        raise EnvError(f"cannot read a host from SLURM node list {nodelist!r}")
+        raise EnvError(f"cannot read a host from SLURM node list {_short(nodelist)}")
     prefix, ranges = match.group(1), match.group(2)
     if ranges is None:
         return prefix
@@ -194,7 +196,7 @@ def expand_task_counts(spec: str) -> list[int]:
     for part in spec.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not match:
-            raise EnvError(f"cannot read SLURM tasks per node {spec!r}; expected e.g. '2(x3),1'")
+            raise EnvError(f"cannot read SLURM tasks per node {_short(spec)}; expected e.g. '2(x3),1'")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return counts
 

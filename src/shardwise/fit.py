@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.checkpoint import latest_checkpoint, load, save
 from shardwise.errors import ArgumentError
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def _count(name: str, value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ArgumentError(f"fit() '{name}' must be an integer >= 1 or None (got {value!r})")
+        raise ArgumentError(f"fit() '{name}' must be an integer >= 1 or None (got {short(value)})")
 
 
 def _check_kinds(bundle: Any, state: Any, checkpoint_dir: Any, eval_fn: Any, loggers: Any,
@@ -37,7 +38,7 @@ def _check_kinds(bundle: Any, state: Any, checkpoint_dir: Any, eval_fn: Any, log
     """Refuse, before the first step, what would only fail at a save, an evaluation or a log."""
     def refuse(name: str, value: Any, accepted: str) -> None:
         raise ArgumentError(f"fit() '{name}' must be {accepted} (got {type(value).__name__}: "
-                            f"{value!r:.80})")
+                            f"{short(value)})")
 
     if not isinstance(bundle, Bundle):
         refuse("bundle", bundle, "the Bundle a pipeline call returned")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shardwise._text import short
 from shardwise.data import DeviceLoader
 from shardwise.errors import ArgumentError, DataError
 
@@ -110,7 +111,7 @@ def reduce(value: torch.Tensor | float, op: ReduceOp = "mean") -> torch.Tensor:
         >>> mean_loss = sw.reduce(out.loss)
     """
     if op not in ("mean", "sum", "max", "min"):
-        raise ArgumentError(f"reduce() 'op' must be 'mean', 'sum', 'max' or 'min' (got {op!r})")
+        raise ArgumentError(f"reduce() 'op' must be 'mean', 'sum', 'max' or 'min' (got {short(op)})")
     tensor = (value.detach().clone() if isinstance(value, torch.Tensor)
               else torch.tensor(float(value), dtype=torch.float64))
     if not _joined():

@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from shardwise._params import refuse_state
+from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.choice import SAFE_FRACTION, choose_distribution, sample_batch
 from shardwise.configs import ConfigResult, read_config
@@ -121,7 +122,7 @@ class Pipeline:
         for i, step in enumerate(self.steps, 1):
             t = step.transform
             why = f"  [{step.reason}]" if step.reason else ""
-            lines.append(f"  {i}. {t.stage.name.lower():<12} {t!r}{why}")
+            lines.append(f"  {i}. {t.stage.name.lower():<12} {short(t)}{why}")
             lines.append(f"     {'':<12} -> {t.describe(env)}")
         if self.choose_distribution:
             lines.append(f"  distribution: chosen per model when called ({env.world_size} "
@@ -170,7 +171,7 @@ def _check_call(model: Any, optimizer: Any, loader: Any, scheduler: Any, loss_fn
 
     def refuse(name: str, value: Any, accepted: str) -> None:
         raise ArgumentError(f"{where} '{name}' must be {accepted} (got {type(value).__name__}: "
-                            f"{value!r:.80})")
+                            f"{short(value)})")
 
     if not isinstance(model, torch.nn.Module):
         refuse("model", model, "a torch.nn.Module")
@@ -221,7 +222,7 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
     transforms = [p for p in parts if isinstance(p, Transform)]
     for part in parts:
         if not isinstance(part, (Env, Transform)):
-            raise ArgumentError(f"pipeline() takes an Env and transforms (got {part!r} of type "
+            raise ArgumentError(f"pipeline() takes an Env and transforms (got {short(part)} of type "
                                 f"{type(part).__name__}); build transforms with sw.replicate(), ...")
     if len(envs) > 1:
         raise ConflictError(f"pipeline() got {len(envs)} Envs ({envs[0]!r} and {envs[1]!r}); "

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import attrs
 from torch import nn
 
+from shardwise._text import short
 from shardwise.errors import ArgumentError, PolicyError
 
 __all__ = [
@@ -135,7 +136,7 @@ def by_class(*classes: str | type) -> Policy:
         raise ArgumentError("by_class() needs at least one class or class name")
     for cls in classes:
         if not isinstance(cls, (str, type)):
-            raise ArgumentError(f"by_class() takes class names or classes (got {cls!r})")
+            raise ArgumentError(f"by_class() takes class names or classes (got {short(cls)})")
     return _ByClass(tuple(classes))
 
 
@@ -149,7 +150,7 @@ def by_size(min_params: int) -> Policy:
         ValueError: ``min_params`` is not a positive integer.
     """
     if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1:
-        raise ArgumentError(f"by_size() 'min_params' must be an integer >= 1 (got {min_params!r})")
+        raise ArgumentError(f"by_size() 'min_params' must be an integer >= 1 (got {short(min_params)})")
     return _BySize(min_params)
 
 
@@ -157,8 +158,8 @@ def check_policy(policy: object, user: str) -> None:
     """Raise unless ``policy`` can be called as ``policy(name, module)``."""
     if not callable(policy):
         raise ArgumentError(f"{user}: a policy must be auto(), by_class(...), by_size(...) or a "
-                            f"callable (name, module) -> bool (got {policy!r}); for a class name "
-                            f"write by_class({policy!r})")
+                            f"callable (name, module) -> bool (got {short(policy)}); for a class name "
+                            f"write by_class({short(policy)})")
 
 
 def _resolve(policy: Policy, model: nn.Module) -> Policy:
@@ -207,7 +208,7 @@ def select(policy: Policy, model: nn.Module, *, user: str) -> list[tuple[str, nn
     if not chosen:
         candidates = candidate_blocks(model)
         raise PolicyError(
-            f"{user}: policy {policy!r} selects no submodule of {type(model).__name__}; "
+            f"{user}: policy {short(policy)} selects no submodule of {type(model).__name__}; "
             f"candidate block classes: {candidates or 'none (the model has no nn.ModuleList)'}; "
             "name one with by_class(...)")
     chosen.sort(key=lambda item: item[0].count("."), reverse=True)  # deepest first

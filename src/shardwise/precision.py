@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from shardwise._text import short
 from shardwise.errors import PrecisionError
 
 __all__ = ["Precision", "NAMES", "dtype", "parse", "supported", "check", "autocast",
@@ -36,7 +37,7 @@ def dtype(precision: Precision) -> torch.dtype:
 def parse(value: Any, where: str) -> Precision:
     """``value`` as a precision name, or a :class:`PrecisionError` naming ``where``."""
     if value not in NAMES:
-        raise PrecisionError(f"{where} got precision={value!r}; accepted: "
+        raise PrecisionError(f"{where} got precision={short(value)}; accepted: "
                              f"{', '.join(repr(n) for n in sorted(NAMES))}")
     return value
 
@@ -62,7 +63,7 @@ def check(precision: Precision, *, device: torch.device, precisions: tuple[str, 
     """
     if precision not in precisions:
         raise PrecisionError(
-            f"{part} asks for {precision!r}, but {device} supports only "
+            f"{part} asks for {short(precision)}, but {device} supports only "
             f"{', '.join(repr(p) for p in precisions)}; use one of those"
             + (" (fp16 needs a CUDA device)" if precision == "fp16" else ""))
 

@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 import attrs
 import torch
 
+from shardwise._text import short
 from shardwise.errors import ArgumentError
 
 __all__ = ["TrainState", "StepOutput", "PROGRESS", "OnNonFinite", "check_on_nonfinite"]
@@ -98,4 +99,4 @@ def check_on_nonfinite(value: Any, where: str, *, allow_none: bool = False) -> N
     if value in _ON_NONFINITE or (allow_none and value is None):
         return
     accepted = "'raise', 'skip' or None" if allow_none else "'raise' or 'skip'"
-    raise ArgumentError(f"{where} 'on_nonfinite' must be {accepted} (got {value!r})")
+    raise ArgumentError(f"{where} 'on_nonfinite' must be {accepted} (got {short(value)})")

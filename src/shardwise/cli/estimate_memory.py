@@ -8,6 +8,8 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from shardwise._text import short
+
 HELP = ("per-rank memory of replicate / shard / + offload / + checkpointing for a model "
         "(a Transformers config.json or package.module:factory), on the meta device")
 
@@ -33,7 +35,7 @@ def build_model(spec: str) -> Any:
         try:
             factory = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError) as exc:
-            raise ArgumentError(f"model {spec!r:.120}: cannot import {name!r} from {module!r}: "
+            raise ArgumentError(f"model {short(spec)}: cannot import {name!r} from {module!r}: "
                                 f"{exc}") from None
         with torch.device("meta"):
             return factory()
@@ -47,12 +49,12 @@ def build_model(spec: str) -> Any:
     from shardwise.configs._read import load_source
 
     if path.suffix != ".json":
-        raise ArgumentError(f"model {spec!r:.120}: accepted: a config.json, its directory, or "
+        raise ArgumentError(f"model {short(spec)}: accepted: a config.json, its directory, or "
                             "package.module:factory")
     data = dict(load_source(path).data)  # bounded, UTF-8, a mapping, no repeated keys
     model_type = data.get("model_type")
     if not isinstance(model_type, str):
-        raise ConfigError(f"{path}: model_type={model_type!r:.80} is not accepted; accepted: a "
+        raise ConfigError(f"{path}: model_type={short(model_type)} is not accepted; accepted: a "
                           "Transformers model type such as 'llama'")
     try:
         config = transformers.AutoConfig.for_model(**data)
@@ -69,7 +71,7 @@ def _sizes(text: str, name: str) -> list[int]:
 
     parts = [p.strip() for p in text.split(",")]
     if not all(p.isdigit() and 1 <= int(p) <= 2**20 for p in parts):
-        raise ArgumentError(f"--{name} {text!r:.80} is not accepted; accepted: comma-separated "
+        raise ArgumentError(f"--{name} {short(text)} is not accepted; accepted: comma-separated "
                             "integers >= 1, e.g. 1,2,8")
     return [int(p) for p in parts]
 
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     worlds = _sizes(args.world_sizes, "world_sizes")
     precisions = [p.strip() for p in args.precisions.split(",")]
     if not all(p in NAMES for p in precisions):
-        raise ArgumentError(f"--precisions {args.precisions!r:.80} is not accepted; accepted: "
+        raise ArgumentError(f"--precisions {short(args.precisions)} is not accepted; accepted: "
                             f"comma-separated names from {', '.join(NAMES)}")
     for name in ("batch_size", "seq_len"):
         if not 1 <= getattr(args, name) <= 2**24:

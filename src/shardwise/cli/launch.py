@@ -12,11 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from shardwise._net import free_port
+from shardwise._text import short
 
 HELP = "run a training script on torchrun (config file and flags like `accelerate launch`)"
 
 _LAUNCH_KEYS = ("num_processes", "num_machines", "machine_rank", "main_process_ip",
                 "main_process_port", "rdzv_backend", "mixed_precision")
+
+
+# the launch flags that change what the script builds (the rest only shape the launch)
+_SCRIPT_KEYS = {"mixed_precision", "use_cpu", "distributed_type", "dynamo_config"}
 
 
 def default_config_path() -> Path:
@@ -38,6 +43,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rdzv_backend", choices=["static", "c10d"])
     parser.add_argument("--max_restarts", type=int, default=0)
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"])
+    parser.add_argument("--cpu", action="store_true",
+                        help="run on the CPU even where GPUs are visible (use_cpu: true)")
+    parser.add_argument("--multi_gpu", action="store_true",
+                        help="one process per GPU, replicated (distributed_type: MULTI_GPU)")
+    parser.add_argument("--dynamo_backend", help="accepted for Accelerate's command lines; "
+                        "shardwise does not compile: call torch.compile in the script")
     parser.add_argument("-m", "--module", action="store_true",
                         help="run the script as a module, like python -m")
     parser.add_argument("script")
@@ -46,7 +57,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None, bool]:
     """The config file's settings with the command line's on top, the file read, and whether
-    the command line changed any of them."""
+    the script must be handed these settings (the flags changed what it would read)."""
     from shardwise.configs._read import load_source
     from shardwise.errors import ConfigError
 
@@ -64,13 +75,20 @@ def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None, bo
         raise ConfigError(f"--config_file {path}: no such file")
     else:
         path = None
-    changed = False
-    for key in _LAUNCH_KEYS:
-        value = getattr(args, key)
-        if value is not None:
-            changed = changed or data.get(key) != value
-            data[key] = value
-    return data, path, changed
+    flags = {key: getattr(args, key) for key in _LAUNCH_KEYS if getattr(args, key) is not None}
+    if args.cpu:
+        flags["use_cpu"] = True
+    if args.multi_gpu:
+        flags["distributed_type"] = "MULTI_GPU"
+    if args.dynamo_backend not in (None, "no", "NO"):
+        flags["dynamo_config"] = {"dynamo_backend": args.dynamo_backend}
+        print(f"shardwise launch: --dynamo_backend {args.dynamo_backend} has no effect: shardwise "
+              "does not compile the model; call torch.compile(model, backend=...) in the script",
+              file=sys.stderr)
+    changed = any(data.get(key) != value for key, value in flags.items())
+    # without a file, only what the script itself reads makes a config worth handing over
+    for_script = changed and (path is not None or bool(set(flags) & _SCRIPT_KEYS))
+    return {**data, **flags}, path, for_script
 
 
 def _integer(settings: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
@@ -84,7 +102,7 @@ def _integer(settings: dict[str, Any], key: str, default: int, low: int, high: i
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{key}={value!r:.80} is not accepted; accepted: an integer in "
+        raise ConfigError(f"{key}={short(value)} is not accepted; accepted: an integer in "
                           f"[{low}, {high}]")
     return value
 
@@ -96,7 +114,7 @@ def visible_devices(value: Any) -> str:
     items = value if isinstance(value, list) else str(value).split(",")
     text = [str(item).strip() for item in items]
     if isinstance(value, bool) or not text or not all(t.isdigit() for t in text):
-        raise ConfigError(f"gpu_ids={value!r:.80} is not accepted; accepted: 'all', a "
+        raise ConfigError(f"gpu_ids={short(value)} is not accepted; accepted: 'all', a "
                           "device index, a list of them, or a comma-separated string '0,1'")
     return ",".join(text)
 
@@ -120,11 +138,11 @@ def torchrun_args(settings: dict[str, Any], args: argparse.Namespace) -> list[st
         port = free_port()
     ip = settings.get("main_process_ip") or None
     if ip is not None and not isinstance(ip, str):
-        raise ConfigError(f"main_process_ip={ip!r:.80} is not accepted; accepted: a host "
+        raise ConfigError(f"main_process_ip={short(ip)} is not accepted; accepted: a host "
                           "name or address")
     backend = settings.get("rdzv_backend") or "static"
     if backend not in ("static", "c10d"):
-        raise ConfigError(f"rdzv_backend={backend!r:.80} is not accepted; accepted: "
+        raise ConfigError(f"rdzv_backend={short(backend)} is not accepted; accepted: "
                           "'static' or 'c10d'")
     out = [f"--nproc_per_node={total // machines}", f"--max_restarts={args.max_restarts}"]
     if machines == 1 and backend == "static":
@@ -164,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     handed = None
     if path is not None and not changed:
         child_env[CONFIG_ENV_VAR] = str(path.resolve())
-    elif path is not None or args.mixed_precision:
+    elif changed:  # the file's settings with the flags on top, or the flags alone
         # hand the settings in effect (file plus flags) to the script: sw.detect() reads them
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="shardwise-",
                                          delete=False) as stream:

@@ -8,19 +8,19 @@ Readers build no pipeline: :func:`shardwise.from_config` and :func:`shardwise.pi
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
 
-from shardwise.configs._read import Source, load_source
-from shardwise.configs.accelerate import accelerate_transforms
+from shardwise.configs._read import Source, load_source, short
+from shardwise.configs.accelerate import accelerate_transforms, uses_cpu
 from shardwise.configs.deepspeed import deepspeed_transforms
 from shardwise.configs.fsdp import KEYS as FSDP_KEYS
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env, detect
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, EnvError
 from shardwise.transforms.base import Transform
 from shardwise.transforms.replicate import replicate
 
@@ -56,58 +56,89 @@ def _kind(src: Source) -> str:
     if keys & {"distributed_type", "compute_environment"}:
         return "accelerate"
     if keys & {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
-               "gradient_clipping"} or any(isinstance(src.data.get(p), dict)
-                                           for p in ("fp16", "bf16")):
+               "gradient_clipping", "fp16", "bf16"}:
         return "deepspeed"
-    if keys and all(k.removeprefix("fsdp_") in FSDP_KEYS for k in keys):
+    if any(k.removeprefix("fsdp_") in FSDP_KEYS for k in keys):
         return "fsdp"
-    raise ConfigError(f"{src.origin}: cannot tell the format from its keys {sorted(keys)}; "
+    shown = ", ".join(short(k) for k in sorted(keys)[:8]) + (", ..." if len(keys) > 8 else "")
+    raise ConfigError(f"{src.origin}: cannot tell the format from its keys [{shown}]; "
                       "accepted: an Accelerate config (distributed_type, ...), a DeepSpeed "
                       "config (zero_optimization, ...) or a Transformers fsdp_config")
 
 
-def read_config(source: str | Path | Mapping[str, Any], *, env: Env | None = None) -> ConfigResult:
+def read_config(source: str | os.PathLike[str] | Mapping[str, Any], *,
+                env: Env | None = None) -> ConfigResult:
     """The transforms and notices of an Accelerate YAML, a DeepSpeed JSON or a Transformers
     ``fsdp_config``, recognised from the content.
 
+    Every key maps to a transform, is refused, or gives one notice (a key with no meaning
+    here); nothing is skipped in silence.
+
     Raises:
-        ConfigError: unknown keys, wrong types, impossible or contradictory values, naming
-            the file, the key, the value and what is accepted.
+        ConfigError: unknown keys, wrong types or shapes, impossible or contradictory values,
+            naming the file, the key (a dotted path), a short excerpt of the value and what
+            is accepted.
     """
     src = load_source(source)
     kind = _kind(src)
-    if env is None:
-        env = detect(device="cpu") if src.data.get("use_cpu") is True else detect()
     if kind == "accelerate":
+        if env is None:
+            env = detect(device="cpu") if uses_cpu(src) else detect()
         transforms = accelerate_transforms(src, env)
     elif kind == "deepspeed":
-        transforms = deepspeed_transforms(src, env)[0]
+        env = detect() if env is None else env
+        transforms = deepspeed_transforms(src, env)
     else:
+        env = detect() if env is None else env
         transforms = fsdp_transforms(src, src.data)
     return ConfigResult(tuple(transforms), tuple(src.notices), src.origin, kind, env)
 
 
 _BACKENDS = ("nccl", "gloo", "mpi", "ccl", "xccl", "hccl")
+#: Transformers' name of each replicate() option
+_DDP_NAMES = {"find_unused_parameters": "ddp_find_unused_parameters",
+              "bucket_mb": "ddp_bucket_cap_mb", "broadcast_buffers": "ddp_broadcast_buffers"}
+
+
+def _timeout(src: Source, value: Any) -> datetime.timedelta:
+    """``ddp_timeout`` seconds as the Env takes them (Env decides the range; it is asked here
+    so that a refusal names ddp_timeout)."""
+    seconds = src.number("ddp_timeout", value)
+    try:
+        timeout = Env(timeout=seconds).timeout
+    except EnvError as exc:
+        raise ConfigError(f"{src.origin}: ddp_timeout={short(value)} is not accepted: {exc}") \
+            from None
+    if not timeout:  # under a microsecond, which timedelta rounds to 0
+        raise src.fail("ddp_timeout", value, "at least a microsecond")
+    return timeout
 
 
 def ddp_settings(*, ddp_backend: str | None = None,
                  ddp_find_unused_parameters: bool | None = None,
                  ddp_bucket_cap_mb: float | None = None, ddp_timeout: float | None = None,
                  ddp_broadcast_buffers: bool | None = None) -> tuple[dict[str, Any], Transform]:
-    """Transformers' DDP arguments as (Env overrides, the ``replicate()`` they mean)."""
+    """Transformers' DDP arguments as (Env overrides, the ``replicate()`` they mean).
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range, naming the argument.
+    """
+    src = Source({}, "from_ddp_args()")
     overrides: dict[str, Any] = {}
     if ddp_backend is not None:
-        if ddp_backend not in _BACKENDS:
-            raise ConfigError(f"ddp_backend={ddp_backend!r} is not accepted; accepted: "
-                              f"{', '.join(_BACKENDS)}")
+        if not isinstance(ddp_backend, str) or ddp_backend not in _BACKENDS:
+            raise src.fail("ddp_backend", ddp_backend, ", ".join(_BACKENDS))
         overrides["backend"] = ddp_backend
     if ddp_timeout is not None:
-        overrides["timeout"] = datetime.timedelta(seconds=ddp_timeout)
-    options: dict[str, Any] = {}
-    if ddp_find_unused_parameters is not None:
-        options["find_unused_parameters"] = ddp_find_unused_parameters
-    if ddp_bucket_cap_mb is not None:
-        options["bucket_mb"] = ddp_bucket_cap_mb
-    if ddp_broadcast_buffers is not None:
-        options["broadcast_buffers"] = ddp_broadcast_buffers
+        overrides["timeout"] = _timeout(src, ddp_timeout)
+    given: dict[str, Any] = {"find_unused_parameters": ddp_find_unused_parameters,
+                             "bucket_mb": ddp_bucket_cap_mb,
+                             "broadcast_buffers": ddp_broadcast_buffers}
+    options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    for option, value in options.items():  # one at a time, so a refusal names its argument
+        if option == "bucket_mb":
+            src.number(_DDP_NAMES[option], value)
+        elif not isinstance(value, bool):
+            raise src.fail(_DDP_NAMES[option], value, "True or False")
+        src.build(_DDP_NAMES[option], value, replicate, **{option: value})
     return overrides, replicate(**options)

@@ -1,19 +1,33 @@
 # Reading config sources and checking their values, with errors that name file, key and value.
-"""Shared helpers of the config readers."""
+"""Shared helpers of the config readers.
+
+Every value a reader takes from a config goes through a :class:`Source` method that checks
+its type and range, so a wrong shape is a :class:`~shardwise.errors.ConfigError` naming the
+file, the key (a dotted path), a short excerpt of the value and what is accepted.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping
+import math
+import os
+import reprlib
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import yaml
 
-from shardwise.errors import ConfigError
+from shardwise.errors import ArgumentError, ConfigError
 
 log = logging.getLogger("shardwise.configs")
+
+T = TypeVar("T")
+Shape = Literal["bool", "size", "count", "text", "mapping"]
+
+#: The largest integer a config may hold (anything larger is a typo, and would not print).
+MAX_INT = 2**63 - 1
 
 
 class Source:
@@ -24,66 +38,143 @@ class Source:
         self.notices: list[str] = []
 
     def fail(self, key: str, value: Any, accepted: str) -> ConfigError:
-        return ConfigError(f"{self.origin}: {key}={_short(value)} is not accepted; accepted: "
+        """The error for ``key=value``, naming what is accepted."""
+        return ConfigError(f"{self.origin}: {key}={short(value)} is not accepted; accepted: "
                            f"{accepted}")
 
-    def notice(self, key: str, why: str) -> None:
-        line = f"{self.origin}: {key} {why}"
+    def notice(self, key: str, why: str, origin: str | None = None) -> None:
+        """Log (and keep, for ``explain()``) one line about ``key`` (of the file ``origin``,
+        by default this one)."""
+        line = f"{origin or self.origin}: {key} {why}"
         self.notices.append(line)
         log.warning(line)
 
     def check_keys(self, data: Mapping[str, Any], known: Iterable[str], where: str = "") -> None:
+        """Refuse keys of ``data`` (the block at dotted path ``where``) not in ``known``."""
         unknown = sorted(set(data) - set(known))
         if unknown:
-            raise ConfigError(f"{self.origin}: unknown key(s) {unknown}{where}; accepted: "
+            shown = ", ".join(short(k) for k in unknown[:5]) + (", ..." if unknown[5:] else "")
+            place = f" in {where}" if where else ""
+            raise ConfigError(f"{self.origin}: unknown key(s) [{shown}]{place}; accepted: "
                               f"{sorted(known)}")
 
+    def mapping(self, key: str, value: Any,
+                accepted: str = "a mapping of keys to values") -> dict[str, Any]:
+        """A block: a mapping (absent or null is an empty one)."""
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise self.fail(key, value, accepted)
+        return dict(value)
+
     def boolean(self, key: str, value: Any) -> bool:
+        """True or false (also as the strings ``"true"``/``"false"``)."""
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
         raise self.fail(key, value, "true or false")
 
-    def integer(self, key: str, value: Any, low: int = 0) -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise self.fail(key, value, f"an integer >= {low}")
-        try:
+    def integer(self, key: str, value: Any, low: int = 0, high: int = MAX_INT) -> int:
+        """An integer in ``[low, high]`` (also written as a string, or a float like 2.0)."""
+        accepted = f"an integer >= {low}" if high == MAX_INT else f"an integer from {low} to {high}"
+        number: int | None = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif isinstance(value, float) and value.is_integer():
             number = int(value)
-        except ValueError:
-            raise self.fail(key, value, f"an integer >= {low}") from None
-        if number < low:
-            raise self.fail(key, value, f"an integer >= {low}")
+        elif isinstance(value, str) and len(value) < 30:
+            try:
+                number = int(value)
+            except ValueError:
+                pass
+        if number is None or not low <= number <= high:
+            raise self.fail(key, value, accepted)
         return number
 
+    def number(self, key: str, value: Any, low: float = 0.0) -> float:
+        """A finite number ``>= low`` (NaN, infinities and strings are refused)."""
+        finite = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            abs(value) <= 1e300 and math.isfinite(value)
+        if not finite or value < low:
+            raise self.fail(key, value, f"a finite number >= {low:g}")
+        return float(value)
+
+    def text(self, key: str, value: Any) -> str:
+        """A non-empty string of at most 4096 characters."""
+        if not isinstance(value, str) or not value.strip() or len(value) > 4096 or "\0" in value:
+            raise self.fail(key, value, "a non-empty string")
+        return value
+
     def choice(self, key: str, value: Any, options: Iterable[str]) -> str:
-        text = str(value).upper() if isinstance(value, str) else value
+        """One of ``options`` (upper case; a string given in any case)."""
         options = list(options)
+        text = value.upper() if isinstance(value, str) else None
         if text not in options:
             raise self.fail(key, value, ", ".join(options))
         return str(text)
 
+    def check_shape(self, key: str, value: Any, shape: Shape) -> None:
+        """Check the shape of a value that is not applied (its key gives a notice): a
+        ``"bool"``, a ``"size"`` (a finite number >= 0), a ``"count"`` (an integer >= 1), a
+        ``"text"`` (a string, or null) or a ``"mapping"`` (or null)."""
+        if shape == "bool":
+            self.boolean(key, value)
+        elif shape == "size":
+            self.number(key, value)
+        elif shape == "count":
+            self.integer(key, value, 1)
+        elif shape == "text" and value is not None:
+            self.text(key, value)
+        elif shape == "mapping":
+            self.mapping(key, value)
+
+    def build(self, key: str, value: Any, factory: Callable[..., T], *args: Any,
+              **kwargs: Any) -> T:
+        """``factory(*args, **kwargs)``, its refusal of an argument named as ``key=value``."""
+        try:
+            return factory(*args, **kwargs)
+        except ArgumentError as exc:
+            raise ConfigError(f"{self.origin}: {key}={short(value)} is not accepted: {exc}") \
+                from None
+
 
 _MAX_BYTES = 4 * 2**20  # a config is a few kilobytes; this bounds a hostile one
 _MAX_DEPTH = 16
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 50, 50
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def short(value: Any) -> str:
+    """A short excerpt (at most 60 characters) of ``repr(value)``, built without the whole
+    repr of a huge value."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a repr that fails: an int past 4300 digits, a broken object
+        return f"<{type(value).__name__} too large to show>"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class _Refused(ValueError):
     """Why a file's content is refused (turned into a ConfigError naming the file)."""
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _unique_pairs(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
+        if not isinstance(key, str):
+            raise _Refused(f"the key {short(key)} is not a string; config keys are names")
         if key in out:
-            raise _Refused(f"the key {key!r} appears twice (with {_short(out[key])} and "
-                           f"{_short(value)}); keep one")
+            raise _Refused(f"the key {short(key)} appears twice (with {short(out[key])} and "
+                           f"{short(value)}); keep one")
         out[key] = value
     return out
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """YAML without aliases (no expansion bombs) and without repeated keys."""
+    """YAML without aliases (no expansion bombs), without repeated keys, with string keys."""
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -102,47 +193,74 @@ def _mapping(loader: _StrictLoader, node: Any, deep: bool = False) -> dict[Any, 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _depth(value: Any, level: int = 0) -> int:
     if level > _MAX_DEPTH:
         return level
     children = value.values() if isinstance(value, Mapping) else \
-        value if isinstance(value, list) else ()
+        value if isinstance(value, (list, tuple, set, frozenset)) else ()
     return max((_depth(v, level + 1) for v in children), default=level)
 
 
-def load_source(source: str | Path | Mapping[str, Any]) -> Source:
+def _check_names(value: Any, origin: str) -> None:
+    """Refuse a mapping (at any depth) with a key that is not a string."""
+    if isinstance(value, Mapping):
+        for key, child in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{origin}: the key {short(key)} is not a string; config "
+                                  "keys are names")
+            _check_names(child, origin)
+    elif isinstance(value, (list, tuple)):
+        for child in value:
+            _check_names(child, origin)
+
+
+def _checked(data: Any, origin: str) -> Mapping[str, Any]:
+    """``data`` if it is a mapping within the depth limit whose keys are strings."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{origin} must hold a mapping of keys to values (got "
+                          f"{type(data).__name__})")
+    if _depth(data) > _MAX_DEPTH:
+        raise ConfigError(f"{origin} is nested more than {_MAX_DEPTH} levels deep")
+    _check_names(data, origin)
+    return data
+
+
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of a regular file of at most 4 MiB."""
+    try:
+        if not path.is_file():
+            raise ConfigError(f"cannot read config file {path}: "
+                              + ("not a regular file" if path.exists() else "no such file"))
+        with path.open("rb") as file:
+            raw = file.read(_MAX_BYTES + 1)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise ConfigError(f"cannot read config file {short(str(path))}: {exc}") from None
+    if len(raw) > _MAX_BYTES:
+        raise ConfigError(f"{path} is more than {_MAX_BYTES} bytes; a config file may hold "
+                          f"at most {_MAX_BYTES} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") \
+            from None
+
+
+def load_source(source: str | os.PathLike[str] | Mapping[str, Any]) -> Source:
     """Read a path (YAML or JSON) or take a mapping, within limits: at most 4 MiB, UTF-8,
-    nested at most 16 deep, no repeated keys, no YAML aliases."""
+    nested at most 16 deep, string keys, no repeated keys, no YAML aliases."""
     if isinstance(source, Mapping):
-        return Source(source, "<mapping>")
+        return Source(_checked(source, "<mapping>"), "<mapping>")
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"a config source is a path or a mapping (got "
+                          f"{type(source).__name__})")
     path = Path(source)
     kind = "JSON" if path.suffix == ".json" else "YAML"
-    try:
-        if path.stat().st_size > _MAX_BYTES:
-            raise ConfigError(f"{path} is {path.stat().st_size} bytes; a config file may hold "
-                              f"at most {_MAX_BYTES} bytes")
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    text = _read_text(path)
     try:
         data = (json.loads(text, object_pairs_hook=_unique_pairs) if kind == "JSON"
                 else yaml.load(text, Loader=_StrictLoader))  # noqa: S506 (a safe loader)
     except _Refused as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    except (ValueError, yaml.YAMLError, RecursionError) as exc:
-        raise ConfigError(f"{path} is not valid {kind}: {_short(str(exc))}") from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path} must hold a mapping of keys to values (got "
-                          f"{type(data).__name__})")
-    if _depth(data) > _MAX_DEPTH:
-        raise ConfigError(f"{path} is nested more than {_MAX_DEPTH} levels deep")
-    return Source(data, str(path), path.parent)
+    except Exception as exc:  # the parsers raise many types for bad input; each means the same
+        raise ConfigError(f"{path} is not valid {kind}: {short(str(exc))}") from None
+    return Source(_checked(data, str(path)), str(path), path.parent)

@@ -3,104 +3,180 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardwise.configs._read import Source, load_source
-from shardwise.configs.deepspeed import clipping, deepspeed_transforms, stage_transforms
+from shardwise.configs._read import Shape, Source, load_source
+from shardwise.configs.deepspeed import Said, Settings, build, device, merge, positive, read_json, said, stage
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env
 from shardwise.errors import ConfigError
-from shardwise.transforms.accumulate_gradients import accumulate_gradients
 from shardwise.transforms.base import Transform
-from shardwise.transforms.clip_gradients import ClipGradients
-from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
+from shardwise.transforms.mixed_precision import mixed_precision
 from shardwise.transforms.replicate import replicate
 
 LAUNCH = {"compute_environment", "num_processes", "num_machines", "machine_rank",
           "main_process_ip", "main_process_port", "rdzv_backend", "same_network", "gpu_ids",
           "use_cpu", "main_training_function", "debug", "enable_cpu_affinity"}
-IGNORED = {"tpu_env": "is for TPUs", "tpu_use_cluster": "is for TPUs",
-           "tpu_use_sudo": "is for TPUs", "dynamo_config": "is not applied (no compile yet)",
-           "downcast_bf16": "is for TPUs: bf16 here keeps fp32 master weights",
-           "ipex_config": "is not applied (Intel extension)",
-           "mpirun_config": "is not applied (launch with mpirun yourself; sw.detect reads it)",
-           "megatron_lm_config": "is not applied (Megatron-LM is not driven by shardwise)"}
+_TPU = "is for TPUs"
+#: keys with no meaning here: the shape each takes (None: any) and why it gives a notice
+IGNORED: dict[str, tuple[Shape | None, str]] = {
+    "tpu_env": (None, _TPU), "tpu_use_cluster": (None, _TPU), "tpu_use_sudo": (None, _TPU),
+    "commands": (None, _TPU), "command_file": (None, _TPU),
+    "dynamo_config": ("mapping", "is not applied (no compile yet)"),
+    "downcast_bf16": (None, "is for TPUs: bf16 here keeps fp32 master weights"),
+    "ipex_config": ("mapping", "is not applied (Intel extension)"),
+    "mpirun_config": ("mapping", "is not applied (launch with mpirun yourself; sw.detect reads "
+                                 "it)"),
+    "megatron_lm_config": ("mapping", "is not applied (Megatron-LM is not driven by shardwise)"),
+    "fp8_config": ("mapping", "is not applied (fp8 is not supported)")}
 TOP = {"distributed_type", "mixed_precision", "fsdp_config", "deepspeed_config",
        *LAUNCH, *IGNORED}
-_DS_ONLY = ("zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher",
-            "deepspeed_hostfile", "deepspeed_inclusion_filter", "deepspeed_exclusion_filter",
-            "deepspeed_moe_layer_cls_names")
+_DS_ONLY: dict[str, Shape] = {
+    "zero3_init_flag": "bool", "zero3_save_16bit_model": "bool",
+    "deepspeed_multinode_launcher": "text", "deepspeed_hostfile": "text",
+    "deepspeed_inclusion_filter": "text", "deepspeed_exclusion_filter": "text",
+    "deepspeed_moe_layer_cls_names": "text"}
+_NVME_PATHS = ("offload_optimizer_nvme_path", "offload_param_nvme_path")
 DS_BLOCK = {"zero_stage", "offload_optimizer_device", "offload_param_device",
             "gradient_accumulation_steps", "gradient_clipping", "deepspeed_config_file",
-            *_DS_ONLY}
+            *_NVME_PATHS, *_DS_ONLY}
+_KINDS = ["NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED"]
 
 
-def _deepspeed_block(src: Source, block: dict[str, Any], env: Env) -> list[Transform]:
-    src.check_keys(block, DS_BLOCK, " in deepspeed_config")
-    for key in _DS_ONLY:
+def _block_settings(src: Source, block: dict[str, Any], precision: str) -> Settings:
+    """What a ``deepspeed_config`` block (and the YAML's ``mixed_precision``) says."""
+    def get(key: str, read: Callable[[Source, str, Any], Any]) -> Said | None:
+        return said(src, f"deepspeed_config.{key}", block.get(key), read, auto=False)
+
+    values = {"stage": get("zero_stage", stage),
+              "offload_optimizer": get("offload_optimizer_device", device),
+              "offload_param": get("offload_param_device", device),
+              "steps": get("gradient_accumulation_steps", positive),
+              "clipping": get("gradient_clipping", Source.number)}
+    if precision != "no":  # "no" is what Accelerate writes when the file decides precision
+        for name in ("fp16", "bf16"):
+            values[name] = Said("mixed_precision", name == precision, precision, src.origin)
+    return {name: s for name, s in values.items() if s is not None}
+
+
+def _config_file(src: Source, value: Any) -> Source:
+    """The DeepSpeed JSON ``deepspeed_config_file`` names (relative to the YAML's folder)."""
+    key = "deepspeed_config.deepspeed_config_file"
+    path = Path(src.text(key, value))
+    if not path.is_absolute() and src.base is not None:
+        path = src.base / path
+    try:
+        return load_source(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{src.origin}: {key}: {exc}") from None
+
+
+def _deepspeed_block(src: Source, block: dict[str, Any], precision: str,
+                     env: Env) -> list[Transform]:
+    """The ``deepspeed_config`` block, merged with the file it names (settings both give must
+    agree)."""
+    src.check_keys(block, DS_BLOCK, "deepspeed_config")
+    for key, shape in _DS_ONLY.items():
         if key in block:
+            src.check_shape(f"deepspeed_config.{key}", block[key], shape)
             src.notice(f"deepspeed_config.{key}", "has no meaning outside DeepSpeed")
-    if "deepspeed_config_file" in block:
-        path = Path(str(block["deepspeed_config_file"]))
-        if not path.is_absolute() and src.base is not None:
-            path = src.base / path
+    for key in _NVME_PATHS:
+        if block.get(key) not in (None, "none"):
+            raise src.fail(f"deepspeed_config.{key}", block[key], "none (nvme offload is not "
+                           "supported)")
+    settings = _block_settings(src, block, precision)
+    if block.get("deepspeed_config_file") is not None:
+        inner = _config_file(src, block["deepspeed_config_file"])
         try:
-            inner = load_source(path)
+            theirs = read_json(inner)
         except ConfigError as exc:
             raise ConfigError(f"{src.origin}: deepspeed_config.deepspeed_config_file: {exc}") \
                 from None
-        out, steps = deepspeed_transforms(inner, env)
         src.notices += inner.notices
-        clip = next((t.max_norm for t in out if isinstance(t, ClipGradients)), None)
-        mine_clip = block.get("gradient_clipping")
-        if isinstance(mine_clip, (int, float)) and mine_clip > 0 and mine_clip != clip:
-            raise ConfigError(
-                f"{src.origin}: deepspeed_config.gradient_clipping={mine_clip} contradicts "
-                f"gradient_clipping={clip} in {path}; set it once")
-        if "gradient_accumulation_steps" in block and steps is not None:
-            mine = src.integer("deepspeed_config.gradient_accumulation_steps",
-                               block["gradient_accumulation_steps"], 1)
-            if mine != steps:
-                raise ConfigError(
-                    f"{src.origin}: deepspeed_config.gradient_accumulation_steps={mine} "
-                    f"contradicts gradient_accumulation_steps={steps} in {path}; set it once")
-        return out
-    stage = src.integer("deepspeed_config.zero_stage", block.get("zero_stage", 0))
-    out = stage_transforms(src, stage, [
-        ("deepspeed_config.offload_optimizer_device", block.get("offload_optimizer_device")),
-        ("deepspeed_config.offload_param_device", block.get("offload_param_device"))])
-    steps = src.integer("deepspeed_config.gradient_accumulation_steps",
-                        block.get("gradient_accumulation_steps", 1), 1)
-    if steps > 1:
-        out.append(accumulate_gradients(steps))
-    return out + clipping(src, "deepspeed_config.gradient_clipping", block.get("gradient_clipping"))
+        settings = merge(settings, theirs)
+    return build(src, settings, env)
+
+
+def _gpu_ids(src: Source, value: Any) -> None:
+    """``gpu_ids``: ``all``, a device number, or device numbers separated by commas."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**16:
+        return
+    if not (isinstance(value, str) and len(value) < 1000 and (
+            value == "all" or re.fullmatch(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)*", value))):
+        raise src.fail("gpu_ids", value, "all, or device numbers like 0,1")
+
+
+def _launch(src: Source, cfg: dict[str, Any]) -> None:
+    """Check the launch settings (``shardwise launch`` reads them); those it does not apply
+    give a notice when they ask for something."""
+    def get(key: str, default: Any = None) -> Any:
+        return default if cfg.get(key) is None else cfg[key]
+
+    src.choice("compute_environment", get("compute_environment", "LOCAL_MACHINE"),
+               ["LOCAL_MACHINE"])
+    processes = src.integer("num_processes", get("num_processes", 1), 1)
+    machines = src.integer("num_machines", get("num_machines", 1), 1)
+    if processes % machines:
+        raise ConfigError(f"{src.origin}: num_processes={processes} must be a positive "
+                          f"multiple of num_machines={machines} (processes are spread evenly)")
+    src.integer("machine_rank", get("machine_rank", 0), 0, machines - 1)
+    src.integer("main_process_port", get("main_process_port", 0), 0, 65535)
+    if get("main_process_ip") is not None:
+        src.text("main_process_ip", cfg["main_process_ip"])
+    src.choice("rdzv_backend", get("rdzv_backend", "static"), ["STATIC", "C10D"])
+    _gpu_ids(src, get("gpu_ids", "all"))
+    src.boolean("use_cpu", get("use_cpu", False))
+    if not src.boolean("same_network", get("same_network", True)) and machines > 1:
+        src.notice("same_network", "is not applied: shardwise launch reaches main_process_ip "
+                   "as given")
+    for key, why in (("debug", "is not applied (set TORCH_DISTRIBUTED_DEBUG yourself)"),
+                     ("enable_cpu_affinity", "is not applied (pin threads yourself)")):
+        if src.boolean(key, get(key, False)):
+            src.notice(key, why)
+    if src.text("main_training_function", get("main_training_function", "main")) != "main":
+        src.notice("main_training_function", "is not applied: shardwise launch runs the script")
+
+
+def uses_cpu(src: Source) -> bool:
+    """An Accelerate config's ``use_cpu``."""
+    return src.data.get("use_cpu") is not None and src.boolean("use_cpu", src.data["use_cpu"])
+
+
+def _no(value: Any, default: str) -> Any:
+    """YAML 1.1 reads an unquoted ``no`` as false: here it is the ``"no"`` it was."""
+    return default if value is False or value is None else value
 
 
 def accelerate_transforms(src: Source, env: Env) -> list[Transform]:
     """Transforms for an Accelerate config mapping."""
     cfg = src.data
-    src.check_keys(cfg, TOP)
-    for key, why in IGNORED.items():
-        if key in cfg:
-            src.notice(key, why)
-    kind = src.choice("distributed_type", cfg.get("distributed_type", "NO"),
-                      ["NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED"])
+    src.check_keys(cfg, TOP | {k for k in cfg if k.startswith("tpu_")})
+    for key in sorted(k for k in cfg if k in IGNORED or k.startswith("tpu_")):
+        shape, why = IGNORED.get(key, (None, _TPU))
+        if shape is not None:
+            src.check_shape(key, cfg[key], shape)
+        src.notice(key, why)
+    _launch(src, cfg)
+    kind = src.choice("distributed_type", _no(cfg.get("distributed_type"), "NO"), _KINDS)
+    raw = _no(cfg.get("mixed_precision"), "no")
+    if isinstance(raw, str) and raw.lower() == "fp8":
+        raise src.fail("mixed_precision", raw, "no, fp16, bf16 (fp8 is not supported)")
+    precision = src.choice("mixed_precision", raw, ["NO", "FP16", "BF16"]).lower()
+    blocks = {"fsdp_config": "FSDP", "deepspeed_config": "DEEPSPEED"}
+    block = {key: src.mapping(key, cfg.get(key)) for key in blocks}
+    for key, needs in blocks.items():
+        if block[key] and kind != needs:
+            src.notice(key, f"is not applied: distributed_type is {kind}, not {needs}")
+    if kind == "DEEPSPEED":  # precision is one of its settings (the file may give it too)
+        return _deepspeed_block(src, block["deepspeed_config"], precision, env)
     out: list[Transform] = []
     if kind in ("MULTI_CPU", "MULTI_GPU"):
         out.append(replicate())
     elif kind == "FSDP":
-        out += fsdp_transforms(src, dict(cfg.get("fsdp_config") or {}))
-    elif kind == "DEEPSPEED":
-        out += _deepspeed_block(src, dict(cfg.get("deepspeed_config") or {}), env)
-    precision = cfg.get("mixed_precision") or "no"
-    if str(precision).lower() == "fp8":
-        raise src.fail("mixed_precision", precision, "no, fp16, bf16 (fp8 is not supported)")
-    precision = src.choice("mixed_precision", str(precision).upper(), ["NO", "FP16", "BF16"])
-    given = next((t for t in out if isinstance(t, MixedPrecision)), None)
-    if given is not None and precision != "NO" and given.precision != precision.lower():
-        raise ConfigError(f"{src.origin}: mixed_precision={precision.lower()!r} contradicts "
-                          f"{given.precision!r} enabled in the DeepSpeed config; set it once")
-    if precision != "NO" and given is None:
-        out.append(mixed_precision(precision.lower()))
-    return out
+        out += fsdp_transforms(src, block["fsdp_config"], "fsdp_config.")
+    if precision == "no":  # Accelerate's full precision, said explicitly: fp32, not a default
+        return [*out, mixed_precision("fp32")] if "mixed_precision" in cfg else out
+    return [*out, mixed_precision(precision)]

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from shardwise._text import short as _short
 from shardwise.errors import ArgumentError
 from shardwise.policies import Policy, auto, check_policy
 
@@ -65,17 +66,12 @@ def positive_number(instance: Any, attribute: attrs.Attribute[Any], value: Any) 
 def positive_float(value: Any, factory: str, name: str, *, infinite: bool = False) -> float:
     """``value`` as a float if it is a number > 0, finite unless ``infinite`` (checked before
     converting, so errors show the input)."""
-    finite = isinstance(value, (int, float)) and (infinite or math.isfinite(value))
+    number = isinstance(value, float) or (isinstance(value, int) and value.bit_length() < 1024)
+    finite = number and (infinite or math.isfinite(value))
     if isinstance(value, bool) or not finite or not value > 0:
         accepted = "a number > 0 or math.inf" if infinite else "a finite number > 0"
         raise ArgumentError(f"{factory}() '{name}' must be {accepted} (got {_short(value)})")
     return float(value)
-
-
-def _short(value: Any) -> str:
-    """``repr(value)``, cut to 80 characters: a message never holds a huge value."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def to_policy(value: Any, factory: str) -> Policy:

@@ -18,7 +18,8 @@ __all__ = ["MixedPrecision", "mixed_precision"]
 
 
 def _precision(value: object) -> Precision:
-    return precisions.parse(value, "mixed_precision()")
+    # "no" is Accelerate's spelling of full precision (--mixed_precision no)
+    return precisions.parse("fp32" if value == "no" else value, "mixed_precision()")
 
 
 @attrs.frozen(repr=False)
@@ -29,7 +30,8 @@ class MixedPrecision(Transform):
     ``"fp16"`` adds a ``torch.amp.GradScaler`` whose skipped steps the state counts.
 
     Args:
-        precision: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        precision: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (``"no"``, Accelerate's name for it,
+            means ``"fp32"``).
 
     Raises:
         PrecisionError: an unknown name; at pipeline time, a precision the device cannot do.

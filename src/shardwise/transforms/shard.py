@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import precision
 from shardwise._params import param_names, rebind_optimizer, refuse_state
+from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.engines import Engine, FSDPEngine, LocalEngine
@@ -44,7 +45,7 @@ def build_mesh(env: Env, replicate_across_nodes: bool) -> DeviceMesh:
 
 def _mesh(instance: Any, attribute: Any, value: Any) -> None:
     if value is not None and not isinstance(value, DeviceMesh):
-        raise ArgumentError(f"shard() 'mesh' must be a torch DeviceMesh (got {value!r})")
+        raise ArgumentError(f"shard() 'mesh' must be a torch DeviceMesh (got {short(value)})")
 
 
 @attrs.frozen(repr=False)
@@ -103,7 +104,7 @@ class Shard(Distribution):
         if not env.is_distributed:
             return bundle
         if isinstance(model, (FSDPModule, DistributedDataParallel)):
-            raise ConflictError(f"{self!r}: the model is already a {type(model).__name__}; "
+            raise ConflictError(f"{short(self)}: the model is already a {type(model).__name__}; "
                                 "pass the bare module")
         refuse_state(bundle.optimizer)
         ensure_process_group(env)
@@ -137,7 +138,7 @@ class Shard(Distribution):
         zero = "ZeRO-3 (reshard after forward)" if self.reshard_after_forward else \
             "ZeRO-2 (keep parameters gathered between forward and backward)"
         sync = "; gradients reduced every micro-batch" if self.sync_each_batch else ""
-        return (f"FSDP2 fully_shard on blocks chosen by {self.policy!r}, then the root; "
+        return (f"FSDP2 fully_shard on blocks chosen by {short(self.policy)}, then the root; "
                 f"{layout}; {zero}{sync}")
 
 

@@ -1,5 +1,7 @@
 # Fixtures and helpers shared by the test modules (importable from spawned ranks: `conftest`).
+import contextlib
 import os
+import signal
 
 import pytest
 import torch
@@ -70,6 +72,25 @@ def train_steps(bundle, state, batches):
 def one():
     """The one-process CPU env."""
     return ONE
+
+
+class Hang(BaseException):
+    """Raised by :func:`within`'s alarm: not an Exception, so no handler under test swallows it."""
+
+
+@contextlib.contextmanager
+def within(seconds=60):
+    """Fail, instead of hanging, a block that runs longer than ``seconds`` (main thread only)."""
+    def expire(signum, frame):
+        raise Hang(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # Property-based tests: a few hundred examples in CI; `HYPOTHESIS_PROFILE=long pytest -m long`

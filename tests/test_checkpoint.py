@@ -1,10 +1,8 @@
 # save / load: exact round trips and resumes on real gloo ranks, resharding, atomicity, errors.
-import contextlib
 import json
 import os
 import pickle
 import re
-import signal
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from shardwise.testing import (
 )
 
 from conftest import build_lm as build
-from conftest import train_for
+from conftest import train_for, within
 
 LAYOUTS = {"replicate": [sw.replicate()], "shard": [sw.shard()],
            "zero1": [sw.replicate(), sw.shard_optimizer()]}
@@ -642,24 +640,6 @@ def two_checkpoints(root):
     older = sw.save(root, bundle, state)
     state, _ = train_for(bundle, state, 1)
     return bundle, older, sw.save(root, bundle, state)
-
-
-@contextlib.contextmanager
-def within(seconds):
-    """Fail instead of hanging (a BaseException, so no handler under test swallows it)."""
-    class Hang(BaseException):
-        pass
-
-    def expire(signum, frame):
-        raise Hang(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.parametrize("name, replace", [

@@ -14,13 +14,11 @@ The ci profile runs 60 examples a test (derandomized); the long run is
 ``HYPOTHESIS_PROFILE=long pytest -m long tests/test_checkpoint_properties.py``: 2000 examples,
 up to three damages at once.
 """
-import contextlib
 import copy
 import json
 import os
 import random
 import shutil
-import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +33,7 @@ import shardwise as sw
 from shardwise import _integrity
 from shardwise.errors import CheckpointError
 
-from conftest import build_lm, train_for
+from conftest import build_lm, train_for, within
 
 pytestmark = pytest.mark.properties
 
@@ -321,24 +319,6 @@ RESEALED = st.builds(Resealed, st.one_of(st.builds(Truncate, SEALED_FILES, offse
 
 # -- the property
 
-class Hang(BaseException):
-    """Raised by the alarm: not an Exception, so no handler in shardwise can swallow it."""
-
-
-@contextlib.contextmanager
-def no_hang(seconds=60):
-    def expire(signum, frame):
-        raise Hang(f"sw.load ran over {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def reset(saved):
     """Put the bundle in a state that is neither checkpoint's."""
     bundle, (model, optimizer, scheduler) = saved.bundle, saved.baseline
@@ -394,7 +374,7 @@ def check(saved, damages):
         # the root, and each damaged checkpoint explicitly (the newest when none is damaged:
         # an intact one must load from its own directory too)
         explicit = sorted(damaged - {None}) or [STEPS[-1]]
-        with no_hang():
+        with within(60):
             for target in (root, *(root / step for step in explicit)):
                 load_one(saved, target, damaged, latest_damaged, resealed)
 

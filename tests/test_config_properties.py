@@ -11,12 +11,10 @@ The ci profile runs 60 examples a test (derandomized); the long run is
 ``HYPOTHESIS_PROFILE=long pytest -m long tests/test_config_properties.py``: 2000 examples of
 each property.
 """
-import contextlib
 import copy
 import json
 import math
 import re
-import signal
 import tempfile
 from pathlib import Path
 
@@ -29,6 +27,8 @@ import shardwise as sw
 from shardwise import configs
 from shardwise.configs import read_config
 from shardwise.errors import ShardwiseError
+
+from conftest import within
 
 pytestmark = [pytest.mark.properties, pytest.mark.filterwarnings("ignore")]
 
@@ -159,24 +159,6 @@ def mutated(draw: st.DrawFn) -> tuple[str, dict]:
     return name, config
 
 
-class Hang(BaseException):
-    """Raised by the alarm: not an Exception, so no handler in shardwise can swallow it."""
-
-
-@contextlib.contextmanager
-def deadline(seconds: int = 20):
-    """Fail an example that runs longer than ``seconds`` (a hang)."""
-    def expire(signum, frame):
-        raise Hang(f"still running after {seconds} s")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 #: messages about the whole source rather than one key
 WHOLE_SOURCE = ("cannot tell the format", "is not valid", "is not UTF-8", "nested more than",
                 "must hold a mapping", "appears twice", "alias", "bytes; a config file")
@@ -188,7 +170,7 @@ def outcome(source: object, origins: tuple[str, ...], keys: set[str], env: sw.En
     after checking that its message names the source (one of ``origins``) and a key (or is
     about the whole source) and is short."""
     try:
-        with deadline():
+        with within(20):
             pipe = sw.from_config(source, env=env)
     except ShardwiseError as exc:
         message = str(exc)
@@ -268,7 +250,7 @@ def arbitrary_files_are_read_or_refused_by_name(data: st.DataObject) -> None:
         path = Path(tmp) / f"config{suffix}"
         path.write_bytes(raw)
         try:
-            with deadline():
+            with within(20):
                 result = read_config(path, env=ENVS[0])
         except ShardwiseError as exc:
             assert str(path) in str(exc), f"{exc} does not name {path}"
@@ -283,7 +265,7 @@ def ddp_arguments_build_or_are_refused_by_name(data: st.DataObject) -> None:
                                       "ddp_bucket_cap_mb", "ddp_timeout", "ddp_broadcast_buffers"]))
     value = data.draw(WRONG | st.sampled_from(["gloo", "nccl", 1, 25.0, 3600]))
     try:
-        with deadline():
+        with within(20):
             sw.from_ddp_args(**{name: value}, env=ENVS[1])
     except ShardwiseError as exc:
         assert name in str(exc) and len(str(exc)) < 2000, str(exc)

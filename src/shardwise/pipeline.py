@@ -122,7 +122,7 @@ class Pipeline:
         for i, step in enumerate(self.steps, 1):
             t = step.transform
             why = f"  [{step.reason}]" if step.reason else ""
-            lines.append(f"  {i}. {t.stage.name.lower():<12} {short(t)}{why}")
+            lines.append(f"  {i}. {t.stage.name.lower():<12} {t!r}{why}")
             lines.append(f"     {'':<12} -> {t.describe(env)}")
         if self.choose_distribution:
             lines.append(f"  distribution: chosen per model when called ({env.world_size} "

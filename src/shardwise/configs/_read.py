@@ -12,13 +12,13 @@ import json
 import logging
 import math
 import os
-import reprlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
 
+from shardwise._text import short as _short
 from shardwise.errors import ArgumentError, ConfigError
 
 log = logging.getLogger("shardwise.configs")
@@ -142,19 +142,9 @@ class Source:
 _MAX_BYTES = 4 * 2**20  # a config is a few kilobytes; this bounds a hostile one
 _MAX_DEPTH = 16
 
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 50, 50
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
-
-
 def short(value: Any) -> str:
-    """A short excerpt (at most 60 characters) of ``repr(value)``, built without the whole
-    repr of a huge value."""
-    try:
-        text = _REPR.repr(value)
-    except Exception:  # a repr that fails: an int past 4300 digits, a broken object
-        return f"<{type(value).__name__} too large to show>"
-    return text if len(text) <= 60 else text[:57] + "..."
+    """A short excerpt (at most 60 characters) of ``repr(value)``."""
+    return _short(value, 60)
 
 
 class _Refused(ValueError):

@@ -10,7 +10,6 @@ from typing import Any, ClassVar
 import attrs
 from torch.utils.checkpoint import checkpoint
 
-from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.env import Env
 from shardwise.errors import ConflictError
@@ -51,7 +50,7 @@ class CheckpointActivations(Transform):
         bundle = self._record(bundle)
         for name, module in select(self.policy, bundle.model, user=repr(self)):
             if getattr(module, _MARK, False):
-                raise ConflictError(f"{short(self)}: {name} ({type(module).__name__}) is "
+                raise ConflictError(f"{self!r}: {name} ({type(module).__name__}) is "
                                     "checkpointed already")
             # the instance's forward is replaced; the module tree and its names stay as they are
             module.forward = functools.partial(_checkpointed, module.forward)
@@ -59,7 +58,7 @@ class CheckpointActivations(Transform):
         return bundle
 
     def describe(self, env: Env) -> str:
-        return (f"blocks chosen by {short(self.policy)} recompute their activations in backward "
+        return (f"blocks chosen by {self.policy!r} recompute their activations in backward "
                 "(torch.utils.checkpoint, non-reentrant); parameter names unchanged")
 
 

@@ -104,7 +104,7 @@ class Shard(Distribution):
         if not env.is_distributed:
             return bundle
         if isinstance(model, (FSDPModule, DistributedDataParallel)):
-            raise ConflictError(f"{short(self)}: the model is already a {type(model).__name__}; "
+            raise ConflictError(f"{self!r}: the model is already a {type(model).__name__}; "
                                 "pass the bare module")
         refuse_state(bundle.optimizer)
         ensure_process_group(env)
@@ -138,7 +138,7 @@ class Shard(Distribution):
         zero = "ZeRO-3 (reshard after forward)" if self.reshard_after_forward else \
             "ZeRO-2 (keep parameters gathered between forward and backward)"
         sync = "; gradients reduced every micro-batch" if self.sync_each_batch else ""
-        return (f"FSDP2 fully_shard on blocks chosen by {short(self.policy)}, then the root; "
+        return (f"FSDP2 fully_shard on blocks chosen by {self.policy!r}, then the root; "
                 f"{layout}; {zero}{sync}")
 
 

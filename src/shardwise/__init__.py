@@ -16,7 +16,7 @@ from typing import Any
 from shardwise import errors, policies
 from shardwise.bundle import Bundle, Plan
 from shardwise.checkpoint import latest_checkpoint, load, save
-from shardwise.configured import from_config, from_ddp_args
+from shardwise.configured import from_config, from_ddp_args, from_training_args
 from shardwise.data import to_device
 from shardwise.distributed import ensure_process_group, main_process_first
 from shardwise.env import CONFIG_ENV_VAR, Env, detect
@@ -77,6 +77,7 @@ __all__ = [
     "fit",
     "from_config",
     "from_ddp_args",
+    "from_training_args",
     "gather_for_metrics",
     "main_process_first",
     "reduce",

@@ -15,12 +15,13 @@ from typing import Any
 
 import attrs
 
-from shardwise.configs import ddp_settings, read_config
+from shardwise.configs import ConfigResult, ddp_settings, read_config
+from shardwise.configs.training_args import read_training_args
 from shardwise.env import Env, detect
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.pipeline import Pipeline, assemble
 
-__all__ = ["from_config", "from_ddp_args"]
+__all__ = ["from_config", "from_ddp_args", "from_training_args"]
 
 
 def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = None) -> Pipeline:
@@ -71,3 +72,44 @@ def from_ddp_args(*, ddp_backend: str | None = None,
     elif overrides:
         env = attrs.evolve(env, **overrides)
     return assemble(env, [replicated], None)
+
+
+def from_training_args(args: Any, *, env: Env | None = None) -> Pipeline:
+    """A pipeline from Transformers' ``TrainingArguments`` (or a mapping of its field names,
+    so Transformers stays optional), with the ``sw.fit`` settings they give.
+
+    ``fsdp``/``fsdp_config``, ``deepspeed``, ``ddp_*``, ``bf16``/``fp16`` (neither: fp32,
+    as the Trainer), ``gradient_accumulation_steps``, ``max_grad_norm`` (default 1.0),
+    ``activation_checkpointing``, ``dataloader_pin_memory``, ``accelerator_config``,
+    ``seed``/``data_seed`` and ``use_cpu`` become transforms and env settings; the loop
+    settings (``num_train_epochs``, ``max_steps``, ``logging_steps``, ``save_steps``,
+    ``save_total_limit``, ``eval_steps``, ``output_dir``, ``disable_tqdm``, ``report_to``)
+    become ``pipe.fit_options``. A mapping's missing names take ``TrainingArguments``'
+    defaults. Every other argument gives one notice when set (``explain()`` lists them), or
+    is refused; docs/training-args.md has the table.
+
+    Raises:
+        ConfigError: an unknown name, a wrong value, an argument with no counterpart that
+            would change results, or a contradiction (with a DeepSpeed file it names too),
+            naming the argument(s).
+
+    Example:
+        >>> pipe = sw.from_training_args({"bf16": True, "gradient_accumulation_steps": 4,
+        ...                               "max_steps": 1000, "output_dir": "out"})
+        >>> bundle = pipe(model, optimizer, loader)
+        >>> state = sw.fit(bundle, **pipe.fit_options)
+    """
+    settings = read_training_args(args, env)
+    if env is None:
+        env = detect(**settings.overrides)
+    elif settings.overrides:
+        env = attrs.evolve(env, **settings.overrides)
+    config = ConfigResult(settings.transforms, settings.notices, settings.origin,
+                          "training arguments", env)
+    try:
+        return assemble(env, [], config, reason=f"from {settings.origin}",
+                        fit_options=settings.fit_options)
+    except ShardwiseError as exc:
+        if settings.origin in str(exc):
+            raise
+        raise ConfigError(f"{settings.origin}: {exc}") from exc

@@ -28,6 +28,10 @@ class Logger(Protocol):
 class TensorBoardLogger:
     """Scalars to TensorBoard through ``torch.utils.tensorboard`` (needs ``tensorboard``).
 
+    The event file is opened at the first :meth:`log`, so a logger built on every rank
+    writes (and creates ``log_dir``) only where it is used: ``sw.fit`` logs on the main
+    process.
+
     Example:
         >>> sw.fit(bundle, steps=1000, loggers=[sw.TensorBoardLogger("runs/exp1")])
     """
@@ -39,11 +43,18 @@ class TensorBoardLogger:
             raise ImportError(f"TensorBoardLogger needs the tensorboard package ({exc}); "
                               "pip install tensorboard, or pass another logger") from None
         self.log_dir = log_dir
-        self._writer: Any = SummaryWriter(log_dir=log_dir)
+        self._open: Any = SummaryWriter
+        self._writer: Any = None
+
+    def __repr__(self) -> str:
+        return f"TensorBoardLogger({self.log_dir!r})"
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._writer is None:
+            self._writer = self._open(log_dir=self.log_dir)
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 import attrs
@@ -72,6 +73,10 @@ class Pipeline:
     on_nonfinite: OnNonFinite = "raise"
     choose_distribution: bool = False
     notes: tuple[str, ...] = ()
+    fit_options: Mapping[str, Any] = attrs.field(factory=dict, hash=False,
+                                                 converter=lambda m: MappingProxyType(dict(m)))
+    """The ``sw.fit`` settings a config gave (:func:`shardwise.from_training_args`), for
+    ``sw.fit(bundle, **pipe.fit_options)``; empty otherwise."""
 
     def resolve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 *, batch: Any = None, loader: Iterable[Any] | None = None) -> Pipeline:
@@ -136,6 +141,9 @@ class Pipeline:
         lines.append("  evaluation: bundle.predict runs at the training precision; a bare "
                      "model(...) call outside step()/predict() runs without autocast")
         lines += [f"  notice: {note}" for note in self.notes]
+        if self.fit_options:
+            shown = ", ".join(f"{k}={v!r}" for k, v in self.fit_options.items())
+            lines.append(f"  sw.fit(bundle, **pipe.fit_options): {shown}")
         return "\n".join(lines)
 
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -240,7 +248,8 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
 
 def assemble(env: Env, given: list[Transform], config: ConfigResult | None, *,
              on_nonfinite: OnNonFinite = "raise", reason: str | None = None,
-             notes: tuple[str, ...] = ()) -> Pipeline:
+             notes: tuple[str, ...] = (), fit_options: Mapping[str, Any] | None = None
+             ) -> Pipeline:
     """The pipeline of ``given`` (the code's transforms) and ``config``'s, whose transforms
     are added unless the code sets the same kind (or another distribution) itself; then the
     defaults. Every rule between them is checked once, here.
@@ -262,4 +271,4 @@ def assemble(env: Env, given: list[Transform], config: ConfigResult | None, *,
     steps.sort(key=lambda s: s.transform.stage)  # stable: user order kept within a stage
     choose = env.is_distributed and not any(t.stage == Stage.DISTRIBUTION for t in transforms)
     return Pipeline(env=env, steps=tuple(steps), on_nonfinite=on_nonfinite,
-                    choose_distribution=choose, notes=notes)
+                    choose_distribution=choose, notes=notes, fit_options=fit_options or {})

@@ -273,6 +273,7 @@ class BatchCheck(Transform):
     micro: int | None
     total: int | None
     steps: int
+    micro_key: str = "train_micro_batch_size_per_gpu"
     stage: ClassVar[Stage] = Stage.DATA
     factory_name: ClassVar[str] = "deepspeed_batch_check"
 
@@ -281,9 +282,9 @@ class BatchCheck(Transform):
         size = getattr(bundle.loader, "batch_size", None)
         micro = self.micro if self.micro is not None else size
         if self.micro is not None and size is not None and size != self.micro:
-            raise ConfigError(f"{self.origin}: train_micro_batch_size_per_gpu={self.micro} but "
-                              f"the loader's batch_size is {size}; make them equal or set "
-                              "it to \"auto\"")
+            auto = ' or set it to "auto"' if self.micro_key.startswith("train_") else ""
+            raise ConfigError(f"{self.origin}: {self.micro_key}={self.micro} but the loader's "
+                              f"batch_size is {size}; make them equal{auto}")
         check_total(self.origin, self.total, micro, self.steps, bundle.env.world_size,
                     "the micro batch")
         return bundle
@@ -299,6 +300,6 @@ def _batch_check(settings: Settings, steps: int, env: Env) -> BatchCheck | None:
     if not given:
         return None
     total, micro = _value(settings, "total", None), _value(settings, "micro", None)
-    check_total(given[0].origin, total, micro, steps, env.world_size,
-                "train_micro_batch_size_per_gpu")
-    return BatchCheck(given[0].origin, micro, total, steps)
+    key = settings["micro"].key if "micro" in settings else "train_micro_batch_size_per_gpu"
+    check_total(given[0].origin, total, micro, steps, env.world_size, key)
+    return BatchCheck(given[0].origin, micro, total, steps, key)

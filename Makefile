@@ -19,7 +19,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff check src tests examples benchmarks tools
 	$(VENV)/bin/mypy
 
 test: lint

@@ -206,10 +206,14 @@ def test_deepspeed_batch_sizes_are_checked_against_the_loader_and_auto_resolved(
 
 
 def test_more_accelerate_keys_are_taken_with_notices_and_contradictions_refused(tmp_path):
-    config = {"distributed_type": "DEEPSPEED", "mixed_precision": None, "ipex_config": {},
+    config = {"distributed_type": "DEEPSPEED", "mixed_precision": None,
+              "ipex_config": {"ipex": True}, "tpu_use_cluster": False,
               "deepspeed_config": {"zero_stage": 2, "deepspeed_hostfile": "hosts"}}
     text = sw.from_config(config, env=CPU_ONE).explain()
     assert "ipex_config is not applied" in text and "deepspeed_hostfile has no meaning" in text
+    assert "tpu_use_cluster" not in text  # what accelerate config writes for "not used"
+    assert "ipex_config" not in sw.from_config({**config, "ipex_config": {}},
+                                               env=CPU_ONE).explain()
     (tmp_path / "ds.json").write_text(json.dumps({"bf16": {"enabled": True},
                                                   "gradient_clipping": 1.0}))
     yaml_config = tmp_path / "acc.yaml"
@@ -499,13 +503,17 @@ def test_a_transformers_fsdp_config_with_min_num_params_wraps_by_size():
 
 def test_every_key_not_applied_gives_exactly_one_notice():
     config = {"distributed_type": "MULTI_GPU", "debug": True, "enable_cpu_affinity": True,
-              "main_training_function": "train", "tpu_name": "pod", "fp8_config": {},
-              "downcast_bf16": "no", "fsdp_config": {"fsdp_version": 2}}
+              "main_training_function": "train", "tpu_name": "pod",
+              "fp8_config": {"backend": "TE"}, "downcast_bf16": "yes",
+              "fsdp_config": {"fsdp_version": 2}}
     notices = read_config(config, env=CPU_ONE).notices
     for key in ("debug", "enable_cpu_affinity", "main_training_function", "tpu_name",
                 "fp8_config", "downcast_bf16", "fsdp_config"):
         assert sum(n.startswith(f"<mapping>: {key} ") for n in notices) == 1, (key, notices)
     assert len(notices) == 7
+    # what accelerate config writes for a setting not used asks for nothing
+    quiet = {**config, "fp8_config": {}, "downcast_bf16": "no", "tpu_use_sudo": False}
+    assert len(read_config(quiet, env=CPU_ONE).notices) == 5
     fsdp = {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 10,
             "fsdp_transformer_layer_cls_to_wrap": "A"}
     assert read_config({"distributed_type": "FSDP", "fsdp_config": fsdp}, env=CPU_ONE).notices == (

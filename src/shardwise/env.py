@@ -117,6 +117,9 @@ class Env:
     timeout: datetime.timedelta = attrs.field(default=DEFAULT_TIMEOUT, converter=_to_timeout)
     launcher: Launcher = "none"
     config_path: str | None = None
+    accelerate_variables: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=tuple)
+    """The ``ACCELERATE_*`` and ``FSDP_*`` variables ``accelerate launch`` set (name, value),
+    which :func:`shardwise.pipeline` follows like a config file."""
 
     def __attrs_post_init__(self) -> None:
         check_topology(attrs.asdict(self, recurse=False))
@@ -304,13 +307,36 @@ def _pick_device(local_rank: int, world_size: int) -> torch.device:
     return torch.device("cpu")
 
 
+_MAX_VARIABLE = 4096  # characters; a longer value is not a setting
+
+
+def accelerate_variables(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The ``ACCELERATE_*`` and ``FSDP_*`` variables of ``environ``, sorted (values bounded)."""
+    found = []
+    for name in sorted(environ):
+        if name.startswith(("ACCELERATE_", "FSDP_")):
+            value = environ[name]
+            if len(value) > _MAX_VARIABLE:
+                raise EnvError(f"${name} holds {len(value)} characters; a setting holds at most "
+                               f"{_MAX_VARIABLE}")
+            found.append((name, value))
+    return tuple(found)
+
+
+def _accelerate_cpu(variables: tuple[tuple[str, str], ...]) -> bool:
+    """``ACCELERATE_USE_CPU`` as Accelerate reads it (true/yes/1/on)."""
+    value = dict(variables).get("ACCELERATE_USE_CPU", "").strip().lower()
+    return value in ("1", "true", "yes", "y", "on", "t")
+
+
 def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env:
     """Read the launcher's variables and the hardware into an :class:`Env`. Changes nothing.
 
     Reads torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK``/
     ``MASTER_ADDR``/``MASTER_PORT``, else SLURM's (``srun`` without torchrun), else OpenMPI's
     ``OMPI_COMM_WORLD_*``; else it is one process. The config file comes from
-    ``$SHARDWISE_CONFIG_FILE``.
+    ``$SHARDWISE_CONFIG_FILE``; the settings ``accelerate launch`` hands to the script from
+    its ``ACCELERATE_*`` and ``FSDP_*`` variables (``ACCELERATE_USE_CPU`` puts it on the CPU).
 
     Args:
         environ: variables to read instead of ``os.environ`` (for tests).
@@ -339,7 +365,10 @@ def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env
                    ("world_size", "rank", "local_rank", "local_world_size", "node_rank",
                     "num_nodes", "master_addr", "master_port", "launcher")})
     check_topology(values)
+    variables = accelerate_variables(environ)
     device = overrides.get("device")
+    if device is None and _accelerate_cpu(variables):
+        device = "cpu"
     if device is None:
         device = _pick_device(values.get("local_rank", 0), values.get("world_size", 1))
     device = _to_device(device)
@@ -347,6 +376,7 @@ def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env
     values.update(_device_facts(device, values.get("world_size", 1)))
     values["device"] = device
     values["config_path"] = environ.get(CONFIG_ENV_VAR) or None
+    values["accelerate_variables"] = variables
     values.update(overrides)
     if isinstance(values.get("precisions"), (list, tuple)):
         values["precisions"] = tuple(values["precisions"])

@@ -50,11 +50,13 @@ class TensorBoardLogger:
         return f"TensorBoardLogger({self.log_dir!r})"
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Write each metric as a scalar at ``step`` (the event file is opened on first use)."""
         if self._writer is None:
             self._writer = self._open(log_dir=self.log_dir)
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)
 
     def close(self) -> None:
+        """Flush and close the event file, if one was opened."""
         if self._writer is not None:
             self._writer.close()

@@ -15,6 +15,7 @@ from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.choice import SAFE_FRACTION, choose_distribution, sample_batch
 from shardwise.configs import ConfigResult, read_config
+from shardwise.configs.accelerate_env import ORIGIN, launched_by_accelerate, read_accelerate_variables
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError, ConflictError
@@ -213,6 +214,9 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
     When the env's ``config_path`` is set (``shardwise launch --config_file``, or
     ``$SHARDWISE_CONFIG_FILE``), the config file's transforms (:func:`shardwise.from_config`)
     are added, except those the code gives itself (same kind, or another distribution).
+    Started by ``accelerate launch``, the settings it hands over in ``ACCELERATE_*`` /
+    ``FSDP_*`` variables (``Env.accelerate_variables``) are read the same way, as the
+    Accelerate config they came from.
 
     Args:
         *parts: an optional :class:`Env` (else :func:`detect` is called) and transforms.
@@ -237,13 +241,22 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
                             "pass one")
     check_on_nonfinite(on_nonfinite, "pipeline()")
     env = envs[0] if envs else detect()
-    if not env.config_path:
-        return assemble(env, transforms, None, on_nonfinite=on_nonfinite)
-    note = (f"config {env.config_path} applied; transforms given in code take precedence "
-            "over it")
-    return assemble(env, transforms, read_config(env.config_path, env=env),
-                    on_nonfinite=on_nonfinite, reason=f"from config {env.config_path}",
-                    notes=(note,))
+    if env.config_path:
+        note = (f"config {env.config_path} applied; transforms given in code take precedence "
+                "over it")
+        if launched_by_accelerate(env):
+            note += f"; {ORIGIN} are not applied (the config file is)"
+        return assemble(env, transforms, read_config(env.config_path, env=env),
+                        on_nonfinite=on_nonfinite, reason=f"from config {env.config_path}",
+                        notes=(note,))
+    if launched_by_accelerate(env):
+        found, notices = read_accelerate_variables(env)
+        shown = ", ".join(f"{k}={v}" for k, v in env.accelerate_variables)
+        note = f"{ORIGIN} applied ({shown}); transforms given in code take precedence over them"
+        config = ConfigResult(tuple(found), tuple(notices), ORIGIN, "accelerate", env)
+        return assemble(env, transforms, config, on_nonfinite=on_nonfinite,
+                        reason=f"from {ORIGIN}", notes=(note,))
+    return assemble(env, transforms, None, on_nonfinite=on_nonfinite)
 
 
 def assemble(env: Env, given: list[Transform], config: ConfigResult | None, *,

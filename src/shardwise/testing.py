@@ -148,6 +148,7 @@ class TinyMLP(nn.Module):
         self.fc2 = nn.Linear(hidden, out)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
+        """The prediction for ``x``, or its MSE loss against ``y`` when ``y`` is given."""
         pred = self.fc2(torch.relu(self.fc1(x)))
         if y is None:
             return pred
@@ -167,6 +168,7 @@ class TinyDecoderBlock(nn.Module):
                                  nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (batch, sequence, dim) through causal self-attention and the MLP, with residuals."""
         n = x.shape[1]
         mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=1)
         h = self.norm1(x)
@@ -191,6 +193,7 @@ class TinyTransformerLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor,
                 labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """``{"logits": ...}``, with ``"loss"`` too when ``labels`` are given."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.embed(input_ids) + self.pos(positions)
         for layer in self.layers:

@@ -85,9 +85,10 @@ def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None, bo
         print(f"shardwise launch: --dynamo_backend {args.dynamo_backend} has no effect: shardwise "
               "does not compile the model; call torch.compile(model, backend=...) in the script",
               file=sys.stderr)
-    changed = any(data.get(key) != value for key, value in flags.items())
-    # without a file, only what the script itself reads makes a config worth handing over
-    for_script = changed and (path is not None or bool(set(flags) & _SCRIPT_KEYS))
+    # only a flag that changes what the script reads makes a new config worth handing over
+    # (the file itself is handed over as it is)
+    for_script = any(data.get(key) != value for key, value in flags.items()
+                     if key in _SCRIPT_KEYS)
     return {**data, **flags}, path, for_script
 
 

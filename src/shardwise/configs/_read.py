@@ -36,6 +36,7 @@ class Source:
     def __init__(self, data: Mapping[str, Any], origin: str, base: Path | None = None) -> None:
         self.data, self.origin, self.base = dict(data), origin, base
         self.notices: list[str] = []
+        self.logs = True  # False: the caller logs the notices (after renaming keys)
 
     def fail(self, key: str, value: Any, accepted: str) -> ConfigError:
         """The error for ``key=value``, naming what is accepted."""
@@ -47,7 +48,8 @@ class Source:
         by default this one)."""
         line = f"{origin or self.origin}: {key} {why}"
         self.notices.append(line)
-        log.warning(line)
+        if self.logs:
+            log.warning(line)
 
     def check_keys(self, data: Mapping[str, Any], known: Iterable[str], where: str = "") -> None:
         """Refuse keys of ``data`` (the block at dotted path ``where``) not in ``known``."""

@@ -140,6 +140,15 @@ def _launch(src: Source, cfg: dict[str, Any]) -> None:
         src.notice("main_training_function", "is not applied: shardwise launch runs the script")
 
 
+def _asks(value: Any) -> bool:
+    """Whether a value of a key with no meaning here asks for something (what ``accelerate
+    config`` writes for "not used" — false, no, none, empty — does not)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "no", "none", "false")
+    return value not in (None, False, 0) and not (isinstance(value, (list, dict, tuple))
+                                                  and not value)
+
+
 def uses_cpu(src: Source) -> bool:
     """An Accelerate config's ``use_cpu``."""
     return src.data.get("use_cpu") is not None and src.boolean("use_cpu", src.data["use_cpu"])
@@ -158,7 +167,8 @@ def accelerate_transforms(src: Source, env: Env) -> list[Transform]:
         shape, why = IGNORED.get(key, (None, _TPU))
         if shape is not None:
             src.check_shape(key, cfg[key], shape)
-        src.notice(key, why)
+        if _asks(cfg[key]):
+            src.notice(key, why)
     _launch(src, cfg)
     kind = src.choice("distributed_type", _no(cfg.get("distributed_type"), "NO"), _KINDS)
     raw = _no(cfg.get("mixed_precision"), "no")

@@ -41,6 +41,7 @@ class Transform:
     stage: ClassVar[Stage]
 
     def __call__(self, bundle: Bundle) -> Bundle:
+        """Apply this transform: a new bundle (the torch objects inside may change in place)."""
         raise NotImplementedError
 
     def describe(self, env: Env) -> str:

@@ -2,7 +2,6 @@
 import json
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -132,7 +131,7 @@ def test_the_llama_example_trains_the_same_under_accelerate_launch_and_shardwise
                        "--main_process_port", str(free_port()), *script,
                        "--summary", str(tmp_path / "accelerate.json")]}
     results = run_jobs(list(commands.values()), env=env, cwd=ROOT, timeout=300)
-    for (name, _), (code, out, err) in zip(commands.items(), results):
+    for (name, _), (code, out, err) in zip(commands.items(), results, strict=True):
         assert code == 0, f"{name} launch failed:\n{out}\n{err[-3000:]}"
         assert "2 process(es) (torchrun)" in out, name
     ours, theirs = (json.loads((tmp_path / f"{n}.json").read_text()) for n in commands)

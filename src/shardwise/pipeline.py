@@ -18,7 +18,7 @@ from shardwise.configs import ConfigResult, read_config
 from shardwise.configs.accelerate_env import ORIGIN, launched_by_accelerate, read_accelerate_variables
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env, detect
-from shardwise.errors import ArgumentError, ConflictError
+from shardwise.errors import ArgumentError, ConfigError, ConflictError, ShardwiseError
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, check_on_nonfinite
 from shardwise.transforms.base import Stage, Transform, check_combination
@@ -246,17 +246,30 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
                 "over it")
         if launched_by_accelerate(env):
             note += f"; {ORIGIN} are not applied (the config file is)"
-        return assemble(env, transforms, read_config(env.config_path, env=env),
-                        on_nonfinite=on_nonfinite, reason=f"from config {env.config_path}",
-                        notes=(note,))
+        return _configured(env, transforms, read_config(env.config_path, env=env),
+                           str(env.config_path), on_nonfinite=on_nonfinite,
+                           reason=f"from config {env.config_path}", notes=(note,))
     if launched_by_accelerate(env):
         found, notices = read_accelerate_variables(env)
-        shown = ", ".join(f"{k}={v}" for k, v in env.accelerate_variables)
+        shown = ", ".join(f"{k}={v if len(v) <= 60 else v[:57] + '...'}"
+                          for k, v in env.accelerate_variables)
         note = f"{ORIGIN} applied ({shown}); transforms given in code take precedence over them"
         config = ConfigResult(tuple(found), tuple(notices), ORIGIN, "accelerate", env)
-        return assemble(env, transforms, config, on_nonfinite=on_nonfinite,
-                        reason=f"from {ORIGIN}", notes=(note,))
+        return _configured(env, transforms, config, f"{ORIGIN} ({shown})",
+                           on_nonfinite=on_nonfinite, reason=f"from {ORIGIN}", notes=(note,))
     return assemble(env, transforms, None, on_nonfinite=on_nonfinite)
+
+
+def _configured(env: Env, transforms: list[Transform], config: ConfigResult, origin: str, *,
+                on_nonfinite: OnNonFinite, reason: str, notes: tuple[str, ...]) -> Pipeline:
+    """:func:`assemble` with a config; what the env refuses of it names where it came from."""
+    try:
+        return assemble(env, transforms, config, on_nonfinite=on_nonfinite, reason=reason,
+                        notes=notes)
+    except ShardwiseError as exc:
+        if config.origin in str(exc) or not config.transforms:
+            raise
+        raise ConfigError(f"{origin}: {exc}") from exc
 
 
 def assemble(env: Env, given: list[Transform], config: ConfigResult | None, *,

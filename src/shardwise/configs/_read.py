@@ -217,16 +217,25 @@ def _checked(data: Any, origin: str) -> Mapping[str, Any]:
     return data
 
 
+def _shown(path: Path) -> str:
+    """A path as written, unless it is too long to be a real one (then an excerpt)."""
+    text = str(path)
+    return text if len(text) <= 1024 else short(text)
+
+
 def _read_text(path: Path) -> str:
     """The UTF-8 text of a regular file of at most 4 MiB."""
     try:
         if not path.is_file():
-            raise ConfigError(f"cannot read config file {path}: "
+            raise ConfigError(f"cannot read config file {_shown(path)}: "
                               + ("not a regular file" if path.exists() else "no such file"))
         with path.open("rb") as file:
             raw = file.read(_MAX_BYTES + 1)
+    except ConfigError:
+        raise
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        raise ConfigError(f"cannot read config file {short(str(path))}: {exc}") from None
+        why = getattr(exc, "strerror", None) or short(str(exc))  # never the whole path again
+        raise ConfigError(f"cannot read config file {_shown(path)}: {why}") from None
     if len(raw) > _MAX_BYTES:
         raise ConfigError(f"{path} is more than {_MAX_BYTES} bytes; a config file may hold "
                           f"at most {_MAX_BYTES} bytes")

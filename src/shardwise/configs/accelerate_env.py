@@ -129,7 +129,8 @@ def _named(exc: ConfigError, names: dict[str, str]) -> ConfigError:
     """The error with each config key replaced by the variable that gave it."""
     text = str(exc)
     for key in sorted(names, key=len, reverse=True):
-        text = text.replace(f"{key}=", f"{names[key]}=").replace(f": {key} ", f": {names[key]} ")
+        for end in ("=", " ", ":"):
+            text = text.replace(f"{key}{end}", f"{names[key]}{end}")
     return ConfigError(text)
 
 

@@ -333,12 +333,20 @@ def _loggers(src: Source, value: Any, output: str) -> list[Any]:
     return out
 
 
+def _load(src: Source, key: str, value: Any) -> Source:
+    """The JSON or YAML file (or mapping) an argument gives, its refusal naming the argument."""
+    try:
+        return load_source(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{src.origin}: {key}: {exc}") from None
+
+
 def _accelerator(src: Source, value: Any) -> dict[str, Any]:
     """``accelerator_config`` as a checked dict."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     elif isinstance(value, (str, Path)):
-        value = load_source(value).data
+        value = _load(src, "accelerator_config", value).data
     cfg = src.mapping("accelerator_config", value)
     src.check_keys(cfg, _ACCELERATOR_KEYS, "accelerator_config")
     for key, refused in (("split_batches", True), ("dispatch_batches", True),
@@ -398,7 +406,7 @@ def _fsdp_block(src: Source, a: dict[str, Any]) -> dict[str, Any] | None:
             src.notice("fsdp_config", "is not applied: fsdp is not set")
         return None
     raw = a["fsdp_config"]
-    block = dict(load_source(raw).data) if isinstance(raw, (str, Path)) else \
+    block = dict(_load(src, "fsdp_config", raw).data) if isinstance(raw, (str, Path)) else \
         src.mapping("fsdp_config", raw)
     block = {k.removeprefix("fsdp_"): v for k, v in block.items()}
     for key, filled in _FILLED.items():  # what TrainingArguments writes itself
@@ -417,8 +425,8 @@ def _deepspeed(src: Source, a: dict[str, Any], env: Env) -> list[Transform]:
     """The DeepSpeed config, its ``"auto"`` values taken from the arguments; a value both
     give must agree (as the Trainer refuses mismatches)."""
     raw = a["deepspeed"]
-    inner = load_source(raw if isinstance(raw, (str, Path, Mapping)) else
-                        src.mapping("deepspeed", raw))
+    inner = _load(src, "deepspeed", raw if isinstance(raw, (str, Path, Mapping)) else
+                  src.mapping("deepspeed", raw))
     try:
         theirs = read_json(inner)
     except ConfigError as exc:

@@ -76,7 +76,7 @@ def main() -> None:
         if args.summary:
             with open(args.summary, "w") as file:
                 json.dump({"transforms": [repr(t) for t in pipe.transforms], "losses": losses,
-                           "norms": dict(zip(sorted(norms), total.tolist()))}, file, indent=1)
+                           "norms": dict(zip(sorted(norms), total.tolist(), strict=True))}, file, indent=1)
 
 
 if __name__ == "__main__":

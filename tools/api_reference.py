@@ -36,7 +36,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Environment": ("CONFIG_ENV_VAR", "Env", "__version__", "detect", "ensure_process_group",
                     "main_process_first"),
     "Pipeline & transforms": ("Bundle", "Pipeline", "Plan", "Transform", "accumulate_gradients",
-                              "auto", "by_class", "by_size", "checkpoint_activations",
+                              "auto", "by_class", "by_size", "checkpoint_activations", "deepspeed",
                               "clip_gradients", "distribute_data", "mixed_precision", "offload",
                               "pipeline", "place", "policies", "replicate", "shard",
                               "shard_optimizer"),

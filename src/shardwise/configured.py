@@ -15,16 +15,21 @@ from typing import Any
 
 import attrs
 
-from shardwise.configs import ConfigResult, ddp_settings, read_config
+from shardwise._config_source import load_source
+from shardwise._text import short
+from shardwise.configs import ConfigResult, config_kind, ddp_settings, read_config
+from shardwise.configs.deepspeed_json import engine_config
 from shardwise.configs.training_args import read_training_args
 from shardwise.env import Env, detect
-from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.errors import ArgumentError, ConfigError, ShardwiseError
 from shardwise.pipeline import Pipeline, assemble
+from shardwise.transforms.deepspeed import deepspeed
 
 __all__ = ["from_config", "from_ddp_args", "from_training_args"]
 
 
-def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = None) -> Pipeline:
+def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = None,
+                engine: str = "native") -> Pipeline:
     """A pipeline from an Accelerate YAML, a DeepSpeed JSON or a Transformers ``fsdp_config``.
 
     The format is recognised from the content. Every key maps to a transform, is refused, or
@@ -33,6 +38,10 @@ def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = Non
     Args:
         source: a path (YAML or JSON) or a mapping.
         env: the env; by default :func:`shardwise.detect` (``use_cpu: true`` forces the CPU).
+        engine: for a DeepSpeed config (a JSON, or an Accelerate YAML with
+            ``distributed_type: DEEPSPEED``): ``"native"`` (the default) maps it onto
+            PyTorch's DDP/FSDP2, ``"deepspeed"`` runs DeepSpeed's own engine
+            (:func:`shardwise.deepspeed`, needs ``shardwise[deepspeed]``).
 
     Raises:
         ConfigError: unknown keys, wrong types or shapes, impossible or contradictory values
@@ -42,9 +51,17 @@ def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = Non
     Example:
         >>> pipe = sw.from_config("ds_config.json")
     """
+    if engine not in ("native", "deepspeed"):
+        raise ArgumentError(f"from_config() 'engine' must be 'native' or 'deepspeed' (got "
+                            f"{short(engine)})")
+    if engine == "deepspeed":
+        return _deepspeed_engine(source, env)
     config = read_config(source, env=env)
+    notes = (f"{config.origin} is a DeepSpeed config: mapped onto native PyTorch sharding "
+             "(the default engine); sw.from_config(..., engine=\"deepspeed\") runs DeepSpeed's "
+             "own engine",) if config.deepspeed else ()
     try:
-        return assemble(config.env, [], config)
+        return assemble(config.env, [], config, notes=notes)
     except ShardwiseError as exc:  # what the config asks for, refused by this env
         if config.origin in str(exc):
             raise
@@ -74,7 +91,7 @@ def from_ddp_args(*, ddp_backend: str | None = None,
     return assemble(env, [replicated], None)
 
 
-def from_training_args(args: Any, *, env: Env | None = None) -> Pipeline:
+def from_training_args(args: Any, *, env: Env | None = None, engine: str = "native") -> Pipeline:
     """A pipeline from Transformers' ``TrainingArguments`` (or a mapping of its field names,
     so Transformers stays optional), with the ``sw.fit`` settings they give.
 
@@ -86,7 +103,9 @@ def from_training_args(args: Any, *, env: Env | None = None) -> Pipeline:
     ``save_total_limit``, ``eval_steps``, ``output_dir``, ``disable_tqdm``, ``report_to``)
     become ``pipe.fit_options``. A mapping's missing names take ``TrainingArguments``'
     defaults. Every other argument gives one notice when set (``explain()`` lists them), or
-    is refused; docs/training-args.md has the table.
+    is refused; docs/training-args.md has the table. ``engine="deepspeed"`` runs the
+    ``deepspeed`` config with DeepSpeed's own engine (:func:`shardwise.deepspeed`) instead
+    of mapping it onto PyTorch's.
 
     Raises:
         ConfigError: an unknown name, a wrong value, an argument with no counterpart that
@@ -99,7 +118,10 @@ def from_training_args(args: Any, *, env: Env | None = None) -> Pipeline:
         >>> bundle = pipe(model, optimizer, loader)
         >>> state = sw.fit(bundle, **pipe.fit_options)
     """
-    settings = read_training_args(args, env)
+    if engine not in ("native", "deepspeed"):
+        raise ArgumentError(f"from_training_args() 'engine' must be 'native' or 'deepspeed' "
+                            f"(got {short(engine)})")
+    settings = read_training_args(args, env, engine)
     if env is None:
         env = detect(**settings.overrides)
     elif settings.overrides:
@@ -113,3 +135,19 @@ def from_training_args(args: Any, *, env: Env | None = None) -> Pipeline:
         if settings.origin in str(exc):
             raise
         raise ConfigError(f"{settings.origin}: {exc}") from exc
+
+
+def _deepspeed_engine(source: str | Path | Mapping[str, Any], env: Env | None) -> Pipeline:
+    """``from_config(source, engine="deepspeed")``: one ``deepspeed()`` transform."""
+    src = load_source(source)
+    kind = config_kind(src)
+    notices: tuple[str, ...] = ()
+    if kind == "accelerate":  # its keys checked, its block against the file it names
+        checked = read_config(source, env=env)
+        env, notices = checked.env, checked.notices
+    elif env is None:
+        env = detect()
+    transform = deepspeed(engine_config(source, kind), source=src.origin)
+    config = ConfigResult((transform,), notices, src.origin, kind, env, True)
+    return assemble(env, [], config, reason=f"from {kind} config {src.origin}: DeepSpeed's own "
+                    "engine (engine=\"deepspeed\")")

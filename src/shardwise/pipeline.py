@@ -44,7 +44,9 @@ class Step:
 def _defaults(env: Env, given: list[Transform]) -> list[Step]:
     """The transforms the env calls for that the user did not give, each with its reason."""
     chosen: list[Step] = []
-    if not any(isinstance(t, MixedPrecision) for t in given):
+    # a DeepSpeed config decides the precision itself: no default beside it
+    decided = any(getattr(t, "decides_precision", False) for t in given)
+    if not decided and not any(isinstance(t, MixedPrecision) for t in given):
         if env.device.type == "cuda" and "bf16" in env.precisions:
             chosen.append(Step(mixed_precision("bf16"), "default",
                                f"default: {env.device} computes bf16 natively"))

@@ -46,7 +46,7 @@ def build_model(spec: str) -> Any:
     except ImportError:
         raise ArgumentError("a config.json needs the transformers package; pass "
                             "package.module:factory instead") from None
-    from shardwise.configs._read import load_source
+    from shardwise._config_source import load_source
 
     if path.suffix != ".json":
         raise ArgumentError(f"model {short(spec)}: accepted: a config.json, its directory, or "

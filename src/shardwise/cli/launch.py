@@ -58,7 +58,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None, bool]:
     """The config file's settings with the command line's on top, the file read, and whether
     the script must be handed these settings (the flags changed what it would read)."""
-    from shardwise.configs._read import load_source
+    from shardwise._config_source import load_source
     from shardwise.errors import ConfigError
 
     if args.max_restarts < 0:

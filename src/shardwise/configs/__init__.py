@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from shardwise.configs._read import Source, load_source, short
+from shardwise._config_source import Source, load_source, short
 from shardwise.configs.accelerate import accelerate_transforms, uses_cpu
 from shardwise.configs.deepspeed import deepspeed_transforms
 from shardwise.configs.fsdp import KEYS as FSDP_KEYS
@@ -24,7 +24,7 @@ from shardwise.errors import ConfigError, EnvError
 from shardwise.transforms.base import Transform
 from shardwise.transforms.replicate import replicate
 
-__all__ = ["ConfigResult", "read_config", "ddp_settings"]
+__all__ = ["ConfigResult", "config_kind", "read_config", "ddp_settings"]
 
 
 @attrs.frozen
@@ -37,6 +37,8 @@ class ConfigResult:
         origin: the file's path, or ``<mapping>``.
         kind: ``"accelerate"``, ``"deepspeed"`` or ``"fsdp"``.
         env: the env it runs under (``use_cpu: true`` puts it on the CPU).
+        deepspeed: whether it is a DeepSpeed config (a JSON, or an Accelerate YAML with
+            ``distributed_type: DEEPSPEED``), which ``engine="deepspeed"`` can run.
     """
 
     transforms: tuple[Transform, ...]
@@ -44,6 +46,8 @@ class ConfigResult:
     origin: str
     kind: str
     env: Env
+    #: the config is DeepSpeed's (a JSON, or an Accelerate YAML with distributed_type DEEPSPEED)
+    deepspeed: bool = False
 
     @property
     def reason(self) -> str:
@@ -51,7 +55,8 @@ class ConfigResult:
         return f"from {self.kind} config {self.origin}"
 
 
-def _kind(src: Source) -> str:
+def config_kind(src: Source) -> str:
+    """``"accelerate"``, ``"deepspeed"`` or ``"fsdp"``, from the keys."""
     keys = set(src.data)
     if keys & {"distributed_type", "compute_environment"}:
         return "accelerate"
@@ -80,7 +85,7 @@ def read_config(source: str | os.PathLike[str] | Mapping[str, Any], *,
             is accepted.
     """
     src = load_source(source)
-    kind = _kind(src)
+    kind = config_kind(src)
     if kind == "accelerate":
         if env is None:
             env = detect(device="cpu") if uses_cpu(src) else detect()
@@ -91,7 +96,9 @@ def read_config(source: str | os.PathLike[str] | Mapping[str, Any], *,
     else:
         env = detect() if env is None else env
         transforms = fsdp_transforms(src, src.data)
-    return ConfigResult(tuple(transforms), tuple(src.notices), src.origin, kind, env)
+    deepspeed = kind == "deepspeed" or (kind == "accelerate" and str(
+        src.data.get("distributed_type", "")).upper() == "DEEPSPEED")
+    return ConfigResult(tuple(transforms), tuple(src.notices), src.origin, kind, env, deepspeed)
 
 
 _BACKENDS = ("nccl", "gloo", "mpi", "ccl", "xccl", "hccl")

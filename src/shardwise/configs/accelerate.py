@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardwise.configs._read import Shape, Source, load_source
+from shardwise._config_source import Shape, Source, load_source
 from shardwise.configs.deepspeed import Said, Settings, build, device, merge, positive, read_json, said, stage
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env

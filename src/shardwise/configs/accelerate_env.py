@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.configs._read import Source, log
+from shardwise._config_source import Source, log
 from shardwise.configs.accelerate import accelerate_transforms
 from shardwise.env import Env
 from shardwise.errors import ConfigError

@@ -14,8 +14,8 @@ from typing import Any, ClassVar, TypeVar
 
 import attrs
 
+from shardwise._config_source import Shape, Source, short
 from shardwise.bundle import Bundle
-from shardwise.configs._read import Shape, Source, short
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConfigError
 from shardwise.transforms.accumulate_gradients import accumulate_gradients

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shardwise.configs._read import Shape, Source, short
+from shardwise._config_source import Shape, Source, short
 from shardwise.errors import ConfigError
 from shardwise.policies import Policy, auto, by_class, by_size, root_only
 from shardwise.transforms.base import Transform

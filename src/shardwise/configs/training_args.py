@@ -17,17 +17,17 @@ from typing import Any, ClassVar
 
 import attrs
 
+from shardwise._config_source import Source, load_source, short
 from shardwise.bundle import Bundle
 from shardwise.configs import ddp_settings
-from shardwise.configs._read import Source, load_source, short
 from shardwise.configs.deepspeed import Said, build, merge, read_json
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env, detect
 from shardwise.errors import ConfigError
-from shardwise.transforms.accumulate_gradients import accumulate_gradients
+from shardwise.transforms.accumulate_gradients import AccumulateGradients, accumulate_gradients
 from shardwise.transforms.base import Stage, Transform
 from shardwise.transforms.checkpoint_activations import CheckpointActivations, checkpoint_activations
-from shardwise.transforms.clip_gradients import clip_gradients
+from shardwise.transforms.clip_gradients import ClipGradients, clip_gradients
 from shardwise.transforms.distribute_data import distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
 from shardwise.transforms.replicate import replicate
@@ -450,7 +450,8 @@ def _deepspeed(src: Source, a: dict[str, Any], env: Env) -> list[Transform]:
     return out
 
 
-def read_training_args(args: Any, env: Env | None = None) -> TrainingSettings:
+def read_training_args(args: Any, env: Env | None = None,
+                       engine: str = "native") -> TrainingSettings:
     """What a ``TrainingArguments`` (or a mapping of its field names) means here.
 
     Raises:
@@ -479,10 +480,15 @@ def read_training_args(args: Any, env: Env | None = None) -> TrainingSettings:
     accel = _accelerator(src, a["accelerator_config"])
     steps, sync, each = _accumulation(src, a, accel)
     fsdp = _fsdp_block(src, a)
+    if engine == "deepspeed" and a["deepspeed"] is None:
+        raise ConfigError(f"{origin}: engine=\"deepspeed\" runs the DeepSpeed config of the "
+                          "deepspeed argument, which is not set")
     if a["deepspeed"] is not None:
         if fsdp is not None:
             raise ConfigError(f"{origin}: fsdp and deepspeed are both set; choose one")
-        out = _deepspeed(src, a, env)
+        out = _deepspeed(src, a, env)  # checked as the Trainer checks it, either engine
+        if engine == "deepspeed":
+            out = _deepspeed_engine(src, a, out)
         if each or not sync:
             src.notice("accelerator_config.gradient_accumulation_kwargs", "is not applied "
                        "under deepspeed (its accumulation follows gradient_accumulation_steps)")
@@ -503,6 +509,27 @@ def read_training_args(args: Any, env: Env | None = None) -> TrainingSettings:
     out.append(_data(src, a, accel))
     fit, notes = _loop(src, a)
     return TrainingSettings(overrides, tuple(out), fit, (*src.notices, *notes), origin)
+
+
+def _deepspeed_engine(src: Source, a: dict[str, Any], native: list[Transform]
+                      ) -> list[Transform]:
+    """DeepSpeed's own engine on the ``deepspeed`` config, with the precision, accumulation
+    and clipping the arguments give (its ``"auto"`` values take them when the pipeline is
+    called; ``native`` is the same config mapped onto PyTorch, already checked)."""
+    from shardwise.configs.deepspeed_json import engine_config
+    from shardwise.transforms.deepspeed import deepspeed
+
+    if _strategy(src, "save_strategy", a["save_strategy"], ("steps", "no")) == "steps":
+        raise ConfigError(f"{src.origin}: save_strategy='steps' with engine=\"deepspeed\": "
+                          "sw.save does not take a deepspeed() bundle yet; set "
+                          "save_strategy='no' (save with bundle.model.save_checkpoint), or use "
+                          "the native engine, which saves and resumes exactly")
+    keep = (MixedPrecision, AccumulateGradients, ClipGradients)
+    raw = a["deepspeed"]
+    source = str(raw) if isinstance(raw, (str, Path)) else None
+    per_device = src.integer("per_device_train_batch_size", a["per_device_train_batch_size"], 1)
+    return [deepspeed(engine_config(raw, "deepspeed"), source=source or "deepspeed argument"),
+            *(t for t in native if isinstance(t, keep)), PerDeviceBatch(per_device, src.origin)]
 
 
 def _ddp(src: Source, a: dict[str, Any]) -> tuple[dict[str, Any], Transform]:

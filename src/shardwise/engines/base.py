@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -14,6 +14,9 @@ from torch import nn
 from shardwise.env import Env
 from shardwise.errors import CheckpointError, ConflictError
 from shardwise.state import TrainState
+
+if TYPE_CHECKING:
+    from shardwise.step import Stepper
 
 __all__ = ["Engine", "MemoryParts", "NoSync", "state_bytes", "split_optimizer",
            "set_hyperparameters"]
@@ -97,6 +100,9 @@ class Engine:
     casts_parameters: ClassVar[bool] = False
     #: the wrapper put each parameter (shard) on its device already (FSDP2)
     places_parameters: ClassVar[bool] = False
+    #: the engine placed the model and holds the optimizer's parameters itself (DeepSpeed's
+    #: flat partitions): placement leaves both alone
+    owns_optimizer: ClassVar[bool] = False
 
     def gradient_ranks(self, env: Env) -> int:
         """How many ranks' gradients arrive averaged in ``.grad`` after a synchronised backward."""
@@ -118,6 +124,11 @@ class Engine:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the engine's wrapper."""
         return model
+
+    def stepper(self) -> type[Stepper] | None:
+        """The step class of an engine that drives training itself (DeepSpeed), else None
+        (the shared :class:`~shardwise.step.Stepper`)."""
+        return None
 
     @property
     def sharded_optimizer(self) -> torch.optim.Optimizer | None:

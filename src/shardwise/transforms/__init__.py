@@ -8,6 +8,7 @@ from shardwise.transforms.checkpoint_activations import (
     checkpoint_activations,
 )
 from shardwise.transforms.clip_gradients import ClipGradients, clip_gradients
+from shardwise.transforms.deepspeed import DeepSpeed, deepspeed
 from shardwise.transforms.distribute_data import DistributeData, distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
 from shardwise.transforms.offload import Offload, offload
@@ -17,8 +18,9 @@ from shardwise.transforms.shard import Shard, shard
 from shardwise.transforms.shard_optimizer import ShardOptimizer, shard_optimizer
 
 __all__ = [
-    "AccumulateGradients", "CheckpointActivations", "ClipGradients", "DistributeData",
+    "AccumulateGradients", "CheckpointActivations", "ClipGradients", "DeepSpeed", "DistributeData",
     "MixedPrecision", "Offload", "Place", "Replicate", "Shard", "ShardOptimizer", "Stage", "Transform",
-    "accumulate_gradients", "checkpoint_activations", "clip_gradients", "distribute_data",
+    "accumulate_gradients", "checkpoint_activations", "clip_gradients", "deepspeed",
+    "distribute_data",
     "mixed_precision", "offload", "place", "replicate", "shard", "shard_optimizer",
 ]

@@ -30,6 +30,8 @@ class Place(Transform):
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
+        if bundle.engine.owns_optimizer:
+            return bundle
         names = param_names(bundle.model)
         if not bundle.engine.places_parameters:
             bundle.model.to(bundle.env.device)

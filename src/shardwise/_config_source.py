@@ -1,4 +1,4 @@
-# Reading config sources and checking their values, with errors that name file, key and value.
+# Reading config files and mappings, checking their values, with errors naming file, key and value.
 """Shared helpers of the config readers.
 
 Every value a reader takes from a config goes through a :class:`Source` method that checks

@@ -1,0 +1,161 @@
+# DeepSpeedEngine: the model and optimizer run by DeepSpeed's own engine (ZeRO 0-3, offload).
+"""The ``deepspeed()`` engine, and the step that drives DeepSpeed's engine.
+
+DeepSpeed decides the accumulation boundaries (its ``gradient_accumulation_steps``), scales
+each loss by them in ``engine.backward``, clips, steps the optimizer and zeroes gradients in
+``engine.step``. The step here keeps :class:`~shardwise.state.TrainState` in line with it,
+checks the loss, and steps the user's LR scheduler once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.data import to_device
+from shardwise.distributed import collective_failure
+from shardwise.engines.base import Engine, MemoryParts, state_bytes
+from shardwise.env import Env
+from shardwise.errors import CheckpointError, LossError, NonFiniteError
+from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
+from shardwise.step import Stepper
+
+__all__ = ["DeepSpeedEngine", "DeepSpeedStepper"]
+
+
+@attrs.frozen(eq=False)
+class DeepSpeedEngine(Engine):
+    """DeepSpeed's engine over ``world_size`` ranks at ZeRO ``stage``.
+
+    Attributes:
+        stage: the ZeRO stage (0-3).
+        world_size: the ranks it runs over.
+        offload: what it offloads to the CPU ("optimizer", "parameters"), if anything.
+        ds: the ``deepspeed.DeepSpeedEngine`` (None in an estimate: nothing is built).
+    """
+
+    stage: int
+    world_size: int
+    offload: tuple[str, ...] = ()
+    ds: Any = None
+    name: ClassVar[str] = "DeepSpeed"
+    places_parameters: ClassVar[bool] = True
+    owns_optimizer: ClassVar[bool] = True
+
+    def gradient_ranks(self, env: Env) -> int:
+        return self.world_size
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model)
+
+    def stepper(self) -> type[Stepper]:
+        """The step that drives DeepSpeed's engine."""
+        return DeepSpeedStepper
+
+    def state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        raise CheckpointError(
+            "sw.save/sw.load/sw.export do not yet take a deepspeed() bundle: save with "
+            "DeepSpeed's own bundle.model.save_checkpoint(dir) / load_checkpoint(dir); the "
+            "native engines (sw.from_config(ds_config) without engine=\"deepspeed\") save and "
+            "resume exactly")
+
+    def load_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                         loaded: dict[str, Any], other: dict[str, Any]) -> None:
+        self.state_dicts(model, optimizer)
+
+    def memory(self, model: nn.Module, env: Env, *, trained: set[int],
+               optimizer_layout: tuple[float, float], precision_bytes: int,
+               accumulating: bool) -> MemoryParts:
+        world = self.world_size
+
+        def split(p: torch.Tensor) -> int:
+            return math.ceil(p.numel() / world)
+
+        params, _, opt = state_bytes(model, trained, optimizer_layout,
+                                     numel=split if self.stage >= 3 else torch.numel,
+                                     optimizer_ranks=world if 1 <= self.stage < 3 else 1)
+        grads = sum((split(p) if self.stage >= 2 else p.numel()) * 4
+                    for p in model.parameters() if id(p) in trained)
+        if "optimizer" in self.offload:
+            opt = 0
+        if "parameters" in self.offload:
+            params = 0
+        return MemoryParts(params, grads, opt, 0, f"DeepSpeed ZeRO-{self.stage} over {world} "
+                           "rank(s)")
+
+    def describe(self, env: Env) -> str:
+        off = f", offload of {' and '.join(self.offload)} to the CPU" if self.offload else ""
+        return (f"DeepSpeed's engine, ZeRO stage {self.stage} over {self.world_size} rank(s)"
+                f"{off}; its own accumulation boundaries (windows run across epoch ends), "
+                "clipping and optimizer step")
+
+
+class DeepSpeedStepper(Stepper):
+    """``Bundle.step`` under DeepSpeed: ``engine.backward`` and ``engine.step`` per
+    micro-batch, the state following DeepSpeed's boundaries."""
+
+    def check_loss(self, loss: torch.Tensor, state: TrainState, micro: int) -> None:
+        """Raise before backward when the loss is not finite on some rank (DeepSpeed would
+        apply it under fp32/bf16; under fp16 its loss scaler skips the step instead)."""
+        bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(())
+        if self.ranks > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise NonFiniteError(f"non-finite loss at optimizer step {state.step + 1} (micro-step "
+                                 f"{micro}) on some rank; nothing of this micro-batch was "
+                                 "applied")
+
+    def step(self, state: TrainState, batch: Any,
+             on_nonfinite: OnNonFinite | None) -> tuple[TrainState, StepOutput]:
+        if on_nonfinite is not None:
+            check_on_nonfinite(on_nonfinite, "step()", allow_none=True)
+        ds = self.engine.ds  # type: ignore[attr-defined]
+        micro, batches = state.micro_step + 1, state.window_batches + 1
+        epoch, batch_in_epoch, _ = self.position(state)
+        boundary = bool(ds.is_gradient_accumulation_boundary())
+        if self.move:
+            batch = to_device(batch, self.device)
+        self.phase = "forward"
+        try:
+            if self.autocast is None:
+                loss, items = self.forward(batch)
+            else:
+                with self.autocast():
+                    loss, items = self.forward(batch)
+            if items is not None:
+                raise LossError("under deepspeed() loss_fn returns a mean loss: DeepSpeed divides "
+                                "each loss by its accumulation steps itself, so (loss_sum, "
+                                "num_items) cannot be normalised over the window")
+            if not ds.fp16_enabled():  # fp16: DeepSpeed's loss scaler skips the step itself
+                self.check_loss(loss, state, micro)
+            self.phase = "backward"
+            ds.backward(loss)
+            self.phase = "optimizer step" if boundary else "DeepSpeed step (no update)"
+            skipped_before = ds.skipped_steps
+            ds.step()
+        except RuntimeError as exc:  # a collective that timed out or lost a peer is named
+            failure = collective_failure(exc, f"optimizer step {state.step + 1} (micro-step "
+                                              f"{micro}), {self.phase}") if self.ranks > 1 else None
+            if failure is None:
+                raise
+            raise failure from exc
+        skipped = boundary and ds.skipped_steps != skipped_before
+        norm = None
+        if boundary:
+            value = ds.get_global_grad_norm()
+            norm = None if value is None else torch.as_tensor(float(value))
+            if not skipped and self.scheduler is not None:
+                self.scheduler.step()
+        next_state = TrainState(
+            step=state.step + boundary, micro_step=micro, epoch=epoch,
+            batch_in_epoch=batch_in_epoch, skipped_steps=state.skipped_steps + skipped,
+            window_batches=0 if boundary else batches, synced=True)
+        lr = self.optimizer.param_groups[0].get("lr")
+        return next_state, StepOutput(loss=loss.detach(), grad_norm=norm,
+                                      stepped=boundary and not skipped, lr=lr)

@@ -1,0 +1,188 @@
+# deepspeed(): the model and optimizer handed to DeepSpeed's own engine, its config the one source of truth.
+"""DeepSpeed's engine as a distribution transform (optional: ``pip install 'shardwise[deepspeed]'``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+
+from shardwise._config_source import load_source, short
+from shardwise._deepspeed_auto import Given, resolve
+from shardwise._params import refuse_state
+from shardwise.bundle import Bundle
+from shardwise.distributed import ensure_process_group
+from shardwise.engines.base import Engine
+from shardwise.env import Env
+from shardwise.errors import ArgumentError, ConfigError, ConflictError
+from shardwise.plan import Plan
+from shardwise.transforms.accumulate_gradients import AccumulateGradients
+from shardwise.transforms.base import Distribution
+from shardwise.transforms.clip_gradients import ClipGradients
+from shardwise.transforms.mixed_precision import MixedPrecision
+
+__all__ = ["DeepSpeed", "deepspeed"]
+
+EXTRA = "pip install 'shardwise[deepspeed]'"
+
+
+def _config(value: Any) -> str | Mapping[str, Any]:
+    if isinstance(value, os.PathLike):
+        return str(value)
+    if isinstance(value, str) or isinstance(value, Mapping):
+        return value
+    raise ArgumentError(f"deepspeed() 'config' must be a path to a DeepSpeed JSON or a mapping "
+                        f"(got {type(value).__name__}: {short(value)})")
+
+
+def import_deepspeed(env: Env) -> Any:
+    """The ``deepspeed`` module (on a CPU env, DeepSpeed's CPU accelerator is chosen)."""
+    if env.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: PLC0415 (optional, and slow to import)
+    except ImportError as exc:
+        raise ArgumentError(f"deepspeed() needs the deepspeed package ({exc}): {EXTRA}") from None
+    return deepspeed
+
+
+def _stage(config: Mapping[str, Any]) -> int:
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else 0
+
+
+def _offload(config: Mapping[str, Any]) -> tuple[str, ...]:
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, Mapping):
+        return ()
+    out = []
+    for key, name in (("offload_optimizer", "optimizer"), ("offload_param", "parameters")):
+        block = zero.get(key)
+        if isinstance(block, Mapping) and str(block.get("device", "none")).lower() != "none":
+            out.append(name)
+    return tuple(out)
+
+
+@attrs.frozen(repr=False)
+class DeepSpeed(Distribution):
+    """Run the model and optimizer with DeepSpeed's engine (ZeRO 0-3, offload, its optimizers).
+
+    The DeepSpeed config is the one source of truth for what it covers: ``"auto"`` values
+    (and keys it leaves out) take the pipeline's precision, accumulation and clipping, the
+    loader's batch size and the optimizer's hyperparameters; a transform that says
+    otherwise than the config is refused naming both. The optimizer you pass is DeepSpeed's
+    client optimizer, unless the config has an ``optimizer`` block. ``bundle.step``,
+    ``bundle.predict`` and ``sw.fit`` drive it; DeepSpeed decides the accumulation
+    boundaries. Needs ``pip install 'shardwise[deepspeed]'``.
+
+    Args:
+        config: a path to a DeepSpeed JSON, or a mapping.
+
+    Example:
+        >>> bundle = sw.pipeline(sw.deepspeed("ds_config.json"))(model, optimizer, loader)
+    """
+
+    config: str | Mapping[str, Any] = attrs.field(converter=_config, hash=False)
+    source: str | None = attrs.field(default=None, kw_only=True, eq=False)
+    """Where a mapping came from (a config file it was built from), for messages."""
+    factory_name: ClassVar[str] = "deepspeed"
+    #: the config, not a pipeline default, decides the precision
+    decides_precision: ClassVar[bool] = True
+
+    @property
+    def origin(self) -> str:
+        """The config's file, or where a mapping came from."""
+        if isinstance(self.config, str):
+            return self.config
+        return self.source or "<deepspeed config mapping>"
+
+    def _read(self) -> Mapping[str, Any]:
+        source = load_source(self.config)
+        return source.data
+
+    def excludes(self) -> dict[str, str]:
+        return {"shard_optimizer": "DeepSpeed's ZeRO stages shard optimizer state: set "
+                                   "zero_optimization.stage in the config",
+                "offload": "set zero_optimization.offload_optimizer / offload_param in the "
+                           "DeepSpeed config"}
+
+    def check(self, env: Env) -> None:
+        import_deepspeed(env)
+        self._read()
+
+    def engine(self, env: Env, plan: Plan) -> Engine:
+        from shardwise.engines.deepspeed import DeepSpeedEngine
+
+        config = self._read()
+        return DeepSpeedEngine(stage=_stage(config), world_size=env.world_size,
+                               offload=_offload(config))
+
+    def _given(self, plan: Plan) -> Given:
+        found = {type(t): t for t in plan.applied}
+        precision = found.get(MixedPrecision)
+        steps = found.get(AccumulateGradients)
+        clip = found.get(ClipGradients)
+        if clip is not None and clip.norm_type != 2.0:
+            raise ConflictError(f"{clip!r} and {self!r}: DeepSpeed clips the 2-norm; use "
+                                "clip_gradients(max_norm) with norm_type=2.0")
+        return Given(plan.precision, None if precision is None else repr(precision),
+                     plan.accumulation_steps, None if steps is None else repr(steps),
+                     plan.max_grad_norm, None if clip is None else repr(clip))
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        bundle = self._record(bundle)
+        env, plan = bundle.env, bundle.plan
+        deepspeed = import_deepspeed(env)
+        if plan.on_nonfinite == "skip":
+            raise ConflictError(f"{self!r} with on_nonfinite='skip': DeepSpeed skips only fp16 "
+                                "overflows (its loss scaler); under fp32/bf16 a non-finite loss "
+                                "raises. Use on_nonfinite='raise'")
+        if bundle.optimizer is None:
+            raise ArgumentError(f"{self!r} needs the optimizer (DeepSpeed's client optimizer), "
+                                "or an optimizer block in the config")
+        refuse_state(bundle.optimizer)
+        config, precision, steps = resolve(
+            self._read(), self.origin, given=self._given(plan),
+            micro=getattr(bundle.loader, "batch_size", None), world=env.world_size,
+            model=bundle.model, optimizer=bundle.optimizer)
+        own_optimizer = isinstance(config.get("optimizer"), Mapping)
+        if isinstance(config.get("scheduler"), Mapping) and bundle.scheduler is not None:
+            raise ConflictError(f"{self.origin} has a scheduler block and a scheduler was passed "
+                                "to the pipeline call: keep one")
+        if not own_optimizer:
+            config.setdefault("zero_allow_untested_optimizer", True)
+            if "optimizer" in _offload(config):  # the client optimizer steps on the CPU
+                config.setdefault("zero_force_ds_cpu_optimizer", False)
+        ensure_process_group(env)
+        try:
+            engine, optimizer, _, scheduler = deepspeed.initialize(
+                model=bundle.model, optimizer=None if own_optimizer else bundle.optimizer,
+                model_parameters=[p for p in bundle.model.parameters() if p.requires_grad]
+                if own_optimizer else None, config=config, dist_init_required=False)
+        except (ValueError, AssertionError) as exc:
+            raise ConfigError(f"{self.origin}: DeepSpeed refused the config: "
+                              f"{short(str(exc))}") from exc
+        from shardwise.engines.deepspeed import DeepSpeedEngine
+
+        plan = attrs.evolve(plan, precision=precision, accumulation_steps=steps,
+                            close_at_epoch_end=False, max_grad_norm=None)
+        return attrs.evolve(
+            bundle, model=engine, plan=plan, scaler=None,
+            optimizer=optimizer if own_optimizer else bundle.optimizer,
+            scheduler=bundle.scheduler if scheduler is None else None,
+            engine=DeepSpeedEngine(stage=_stage(config), world_size=env.world_size,
+                                   offload=_offload(config), ds=engine))
+
+    def describe(self, env: Env) -> str:
+        where = Path(self.origin).name if isinstance(self.config, str) or self.source else \
+            "a mapping"
+        return (f"DeepSpeed's engine with the config {where} (its \"auto\" values from the "
+                "pipeline, the loader and the optimizer)")
+
+
+#: the public factory: the class itself
+deepspeed = DeepSpeed

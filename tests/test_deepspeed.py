@@ -109,10 +109,11 @@ CASES = {
     "zero3_fp32": {**FP32, "zero_optimization": {"stage": 3}},
     "zero2_fp32_offload": {**FP32, "zero_optimization": {
         "stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    "zero1_bf16": {**FP32},
     "zero2_bf16_clip": {**FP32, "zero_optimization": {"stage": 2}},
     "zero3_bf16": {**FP32, "zero_optimization": {"stage": 3}},
 }
-PRECISION = {"zero2_bf16_clip": "bf16", "zero3_bf16": "bf16"}
+PRECISION = {"zero1_bf16": "bf16", "zero2_bf16_clip": "bf16", "zero3_bf16": "bf16"}
 CLIP = {"zero2_bf16_clip": 0.5}
 
 
@@ -129,6 +130,14 @@ def _run_cases():
             model, _optimizer(model, PRECISION.get(name, "fp32")), _loader(4))
         state, losses = _train(bundle)
         out[name] = (state, losses, _full_params(bundle), _held(bundle), total)
+    # the same configs mapped onto the native engines (the default engine)
+    for stage in (1, 3):
+        model = _model()
+        native = sw.from_config({**FP32, "zero_optimization": {"stage": stage},
+                                 "gradient_accumulation_steps": 2}, env=sw.detect())
+        bundle = native(model, _optimizer(model, "fp32"), _loader(4))
+        _train(bundle)
+        out[f"native_zero{stage}"] = full_state(bundle.model)
     # the engine chosen from a config file
     model = _model()
     pipe = sw.from_config({**FP32, "gradient_accumulation_steps": 2}, engine="deepspeed")
@@ -137,13 +146,6 @@ def _run_cases():
     out["from_config"] = (state, losses, _full_params(bundle), _held(bundle),
                           sum(p.numel() for p in _model().parameters()))
     # what is not supported is refused, naming what to do
-    model = _model()
-    bundle = sw.pipeline(sw.detect(), sw.deepspeed(FP32))(
-        model, torch.optim.AdamW(model.parameters()), _loader(4))
-    try:
-        sw.save("unused", bundle, bundle.init())
-    except CheckpointError as exc:
-        out["save"] = str(exc)
     for name, loss_fn, error in (
             ("weighted", lambda m, b: (m(**b)["loss"] * 4, 4), LossError),
             ("nan", lambda m, b: m(**b)["loss"] * float("nan"), NonFiniteError)):
@@ -183,7 +185,10 @@ def test_zero_stages_on_two_ranks_match_one_process():
         mean = [(a + b) / 2 for a, b in zip(ranks[0][name][1], ranks[1][name][1], strict=True)]
         assert max(abs(a - b) for a, b in zip(mean, want_losses, strict=True)) < (
             1e-5 if key == "fp32" else 5e-2), (name, mean, want_losses)
-    assert "bundle.model.save_checkpoint" in ranks[0]["save"]
+    for stage in (1, 3):  # DeepSpeed's engine against the native mapping of its config
+        native, deepspeed_ = ranks[0][f"native_zero{stage}"], ranks[0][f"zero{stage}_fp32"][2]
+        worst = max((deepspeed_[k] - native[k].float()).abs().max().item() for k in native)
+        assert worst < 1e-6, (stage, worst)
     for rank in range(2):
         message, unchanged = ranks[rank]["weighted"]
         assert "loss_fn returns a mean loss" in message and unchanged
@@ -323,8 +328,80 @@ def test_from_training_args_runs_its_deepspeed_config_with_the_engine(tmp_path):
     assert kinds["MixedPrecision"] == sw.mixed_precision("fp32")  # the Trainer's default
     assert kinds["AccumulateGradients"] == sw.accumulate_gradients(2)
     assert kinds["ClipGradients"] == sw.clip_gradients(1.0)  # max_grad_norm fills "auto"
-    with pytest.raises(ConfigError, match="save_strategy='steps' with engine=\"deepspeed\""):
-        sw.from_training_args({"deepspeed": ds}, env=sw.Env(), engine="deepspeed")
+    fit = sw.from_training_args({"deepspeed": ds, "output_dir": str(tmp_path)}, env=sw.Env(),
+                                engine="deepspeed").fit_options
+    assert fit["checkpoint_dir"] == str(tmp_path) and fit["checkpoint_every"] == 500
     with pytest.raises(ConfigError, match="max_grad_norm=1.0 contradicts gradient_clipping=0.5"):
         sw.from_training_args({"deepspeed": {**ds, "gradient_clipping": 0.5},
                                "save_strategy": "no"}, env=sw.Env(), engine="deepspeed")
+
+
+RESUMED = {"zero2_bf16": ({**FP32, "zero_optimization": {"stage": 2}}, "bf16"),
+           "zero3_fp32": ({**FP32, "zero_optimization": {"stage": 3}}, "fp32")}
+
+
+def _resume_run(root, micro_steps, fresh):
+    """Train each case to ``micro_steps``, resuming from ``root/<case>`` unless ``fresh``; save
+    at the end and export."""
+    import safetensors.torch
+
+    out = {}
+    for name, (config, precision) in RESUMED.items():
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        bundle = sw.pipeline(sw.detect(), sw.deepspeed(config), sw.accumulate_gradients(2),
+                             sw.mixed_precision(precision))(model, optimizer, _loader(4),
+                                                            scheduler=scheduler)
+        state = bundle.init() if fresh else sw.load(os.path.join(root, name), bundle)
+        while state.micro_step < micro_steps:
+            for batch in bundle.loader:
+                state, _ = bundle.step(state, batch)
+                if state.micro_step == micro_steps:
+                    break
+        sw.save(os.path.join(root, name), bundle, state)
+        sw.export(os.path.join(root, f"{name}_export"), bundle)
+        exported = safetensors.torch.load_file(os.path.join(root, f"{name}_export",
+                                                            "model.safetensors"))
+        out[name] = (state, _full_params(bundle), exported, scheduler.get_last_lr())
+    return out
+
+
+@needs_deepspeed
+def test_save_load_resume_in_new_processes_is_bit_exact_and_export_gathers(tmp_path):
+    whole = run_distributed(_resume_run, str(tmp_path / "whole"), STEPS, True, timeout=600)
+    run_distributed(_resume_run, str(tmp_path / "split"), STEPS // 2, True, timeout=600)
+    resumed = run_distributed(_resume_run, str(tmp_path / "split"), STEPS, False, timeout=600)
+    for name, (_, precision) in RESUMED.items():
+        for rank in range(2):
+            state, params, exported, lr = whole[rank][name]
+            got_state, got, got_exported, got_lr = resumed[rank][name]
+            assert got_state == state and state.step == 4, name
+            assert all(torch.equal(got[k], params[k]) for k in params), name
+            assert got_lr == lr, name
+        _, params, exported, _ = whole[0][name]
+        assert sorted(exported) == sorted(params)  # clean names, every tensor
+        for key, value in params.items():  # the fp32 master weights, gathered
+            assert exported[key].dtype == torch.float32
+            bound = 0 if precision == "fp32" else 2 ** -7 * value.abs().max().item() + 1e-6
+            assert (exported[key] - value).abs().max().item() <= bound, (name, key)
+    path = tmp_path / "split" / "zero3_fp32" / "step_00000004"
+    assert sorted(p.name for p in (path / "deepspeed").iterdir())  # DeepSpeed's own files
+    assert "deepspeed/" in (path / "checksums.json").read_text()  # ... verified on load
+
+
+def test_a_deepspeed_file_that_could_run_code_is_refused(tmp_path):
+    from shardwise.engines.deepspeed import check_pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "ran"),))
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "extra": Payload()}, path)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt is refused: it names "
+                                              r"\S*system, which could run code"):
+        check_pickle(path)
+    assert not (tmp_path / "ran").exists()
+    torch.save({"module": {"w": torch.ones(2)}, "global_steps": 3}, path)
+    check_pickle(path)  # tensors and plain data pass

@@ -46,12 +46,16 @@ def _digest(path: Path) -> str:
     return sha.hexdigest()
 
 
-def digests_of(root: Path, rank: int) -> dict[str, str]:
-    """Digests of the files ``rank`` wrote under ``root``, by relative path."""
+def digests_of(root: Path, rank: int, own: str | None = None) -> dict[str, str]:
+    """Digests of the files ``rank`` wrote under ``root``, by relative path; rank 0 also
+    hashes every file of an engine's own format under ``root/own`` (written by all ranks,
+    which finished before it returned)."""
     names = [p for p in root.glob(f"__{rank}_*.distcp")]
     names.append(root / "rng" / f"rank_{rank:05d}.json")
     if rank == 0:
         names += [root / ".metadata", root / "shardwise.json"]
+        if own is not None:
+            names += sorted(p for p in (root / own).rglob("*") if not p.is_dir())
     return {str(p.relative_to(root)): _digest(p) for p in names if p.is_file()}
 
 

@@ -105,17 +105,29 @@ def publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None
             shutil.rmtree(old_step, ignore_errors=True)
 
 
+#: the folders an engine with its own checkpoint format writes instead of DCP's files
+OWN_FORMATS = ("deepspeed",)
+
+
+def _tensors_written(path: Path) -> bool:
+    """DCP's ``.metadata``, or the folder of an engine's own format, is there."""
+    return (path / ".metadata").is_file() or any(
+        (path / name).is_dir() and not (path / name).is_symlink() for name in OWN_FORMATS)
+
+
 def is_complete(path: Path) -> bool:
-    return (path / META).is_file() and (path / ".metadata").is_file()
+    return (path / META).is_file() and _tensors_written(path)
 
 
 def incomplete_parts(path: Path) -> list[str]:
     """When ``path`` holds some of a checkpoint's own files but is not complete, the missing
     ones (``shardwise.json``, DCP's ``.metadata``: a file that is a directory, a FIFO or a
     dangling link is missing); else []."""
-    if not any(os.path.lexists(path / name) for name in (META, ".metadata", MANIFEST)):
+    if not any(os.path.lexists(path / name) for name in (META, ".metadata", MANIFEST,
+                                                          *OWN_FORMATS)):
         return []
-    return [str(path / name) for name in (META, ".metadata") if not (path / name).is_file()]
+    missing = [str(path / META)] if not (path / META).is_file() else []
+    return missing + ([] if _tensors_written(path) else [str(path / ".metadata")])
 
 
 _STEP_NAME = re.compile(r"step_\d{8}")

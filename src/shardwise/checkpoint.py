@@ -53,6 +53,8 @@ __all__ = ["save", "load", "latest_checkpoint"]
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+#: shardwise.json's "engine" of a DCP checkpoint (the native engines)
+TORCH_FORMAT = "torch"
 
 
 @contextlib.contextmanager
@@ -118,10 +120,16 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             ok, problem = False, str(exc)
     if not all_agree(env, ok):
         raise CheckpointError(f"cannot create checkpoint directory {tmp}: {problem or 'on rank 0'}")
-    fresh = bundle.optimizer is not None and not bundle.optimizer.state
-    model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
-    _refuse_code(model_sd)
+    own = bundle.engine.own_checkpoint  # an engine with its own format (DeepSpeed), or None
+    fresh = own is None and bundle.optimizer is not None and not bundle.optimizer.state
+    model_sd: dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
+    other: dict[str, Any] = {}
+    if own is None:
+        model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
+        _refuse_code(model_sd)
     meta = {"format": FORMAT, "name": final.name, "checksums": _integrity.MANIFEST,
+            "engine": own or TORCH_FORMAT,
             "train_state": state.to_dict(),
             "world_size": env.world_size,
             "data": _data_position(bundle, state),
@@ -131,13 +139,16 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             "scaler": plain(bundle.scaler.state_dict(), "the grad scaler's state")
             if bundle.scaler is not None else None}
     try:
-        with _dcp_quietly():
-            dcp.save({"model": model_sd, "optimizer": tensors},
-                     storage_writer=FileSystemWriter(tmp), no_dist=not joined(bundle.env))
+        if own is None:
+            with _dcp_quietly():
+                dcp.save({"model": model_sd, "optimizer": tensors},
+                         storage_writer=FileSystemWriter(tmp), no_dist=not joined(bundle.env))
+        else:
+            bundle.engine.save_own(tmp / own)  # a collective; every rank's files written
         _write_json(tmp / "rng" / f"rank_{env.rank:05d}.json", _rng.capture())
         if env.is_main:
             _write_json(tmp / META, meta)
-        digests = _integrity.digests_of(tmp, env.rank)
+        digests = _integrity.digests_of(tmp, env.rank, own)
     except (Exception, CheckpointException) as exc:  # DCP's wraps the rank's OSError
         ok, problem, digests = False, _cause(exc), {}
     if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
@@ -281,6 +292,45 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
     if not all_agree(bundle.env, ok):
         raise CheckpointError(problem or f"loading {path} failed on another rank; nothing "
                               "was restored")
+    engine = bundle.engine
+    saved, mine = meta.get("engine", TORCH_FORMAT), engine.own_checkpoint or TORCH_FORMAT
+    if saved != mine:
+        raise CheckpointError(f"{path} was written by the {saved} engine, this bundle runs the "
+                              f"{mine} engine; load it into a bundle built the same way")
+    if engine.own_checkpoint is not None:
+        _load_own(path, bundle, meta)
+    else:
+        _load_dcp(path, bundle, meta)
+    if bundle.scheduler is not None and meta.get("scheduler") is not None:
+        bundle.scheduler.load_state_dict(meta["scheduler"])
+    if bundle.scaler is not None and meta.get("scaler") is not None:
+        bundle.scaler.load_state_dict(meta["scaler"])
+    if rng is not None:
+        _rng.restore(rng)
+    return _position_loader(bundle, state, meta["data"].get("seed"))
+
+
+def _load_own(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
+    """The tensors of an engine that writes its own format (DeepSpeed): same world size."""
+    engine, env = bundle.engine, bundle.env
+    if meta.get("world_size") != env.world_size:
+        raise CheckpointError(f"{path} was saved on {meta.get('world_size')} rank(s) by the "
+                              f"{engine.own_checkpoint} engine, which partitions its state by "
+                              f"rank; load it on {meta.get('world_size')} rank(s), not "
+                              f"{env.world_size}")
+    ok, problem = True, ""
+    try:
+        engine.load_own(path / str(engine.own_checkpoint))
+    except CheckpointError as exc:
+        ok, problem = False, str(exc)
+    except Exception as exc:  # the engine's own reader: its errors are many types
+        ok, problem = False, f"reading {path} failed ({_cause(exc)})"
+    if not all_agree(env, ok):
+        raise CheckpointError(problem or f"loading {path} failed on another rank")
+
+
+def _load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
+    """The model and optimizer tensors of a DCP checkpoint, all or nothing."""
     reader = SafeReader(path)
     engine = bundle.engine
     model_sd, tensors, _ = engine.state_dicts(bundle.model, bundle.optimizer)
@@ -297,13 +347,6 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
         raise CheckpointError(f"reading checkpoint {path} failed ({_cause(exc)}); the checkpoint "
                               "is partial or corrupt; nothing was restored") from None
     engine.load_state_dicts(bundle.model, bundle.optimizer, target, meta["optimizer"])
-    if bundle.scheduler is not None and meta.get("scheduler") is not None:
-        bundle.scheduler.load_state_dict(meta["scheduler"])
-    if bundle.scaler is not None and meta.get("scaler") is not None:
-        bundle.scaler.load_state_dict(meta["scaler"])
-    if rng is not None:
-        _rng.restore(rng)
-    return _position_loader(bundle, state, meta["data"].get("seed"))
 
 
 def _intact(root: Path, bundle: Bundle) -> Path:

@@ -26,8 +26,7 @@ def _gathered(model: torch.nn.Module, engine: Engine, main: bool,
               dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The full state dict on the main rank, one tensor at a time (others get nothing)."""
     out: dict[str, torch.Tensor] = {}
-    for name, value in engine.unwrap(model).state_dict().items():
-        tensor = engine.full(value)  # a collective when sharded
+    for name, tensor in engine.full_state(model):  # a collective per tensor when sharded
         if not main:
             continue
         tensor = tensor.detach().to("cpu")

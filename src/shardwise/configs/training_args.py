@@ -519,11 +519,6 @@ def _deepspeed_engine(src: Source, a: dict[str, Any], native: list[Transform]
     from shardwise.configs.deepspeed_json import engine_config
     from shardwise.transforms.deepspeed import deepspeed
 
-    if _strategy(src, "save_strategy", a["save_strategy"], ("steps", "no")) == "steps":
-        raise ConfigError(f"{src.origin}: save_strategy='steps' with engine=\"deepspeed\": "
-                          "sw.save does not take a deepspeed() bundle yet; set "
-                          "save_strategy='no' (save with bundle.model.save_checkpoint), or use "
-                          "the native engine, which saves and resumes exactly")
     keep = (MixedPrecision, AccumulateGradients, ClipGradients)
     raw = a["deepspeed"]
     source = str(raw) if isinstance(raw, (str, Path)) else None

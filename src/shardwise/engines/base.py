@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -125,6 +126,12 @@ class Engine:
         """The user's module inside the engine's wrapper."""
         return model
 
+    def full_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The user's module's state dict, each tensor whole (gathered from every rank when
+        sharded: every rank iterates it), for export."""
+        for name, value in self.unwrap(model).state_dict().items():
+            yield name, self.full(value)
+
     def stepper(self) -> type[Stepper] | None:
         """The step class of an engine that drives training itself (DeepSpeed), else None
         (the shared :class:`~shardwise.step.Stepper`)."""
@@ -152,6 +159,23 @@ class Engine:
             "state)")
 
     # -- checkpoints ------------------------------------------------------------------------
+
+    #: the folder name of the engine's own checkpoint format (DeepSpeed's), written by
+    #: :meth:`save_own` instead of DCP's files; None: DCP through :meth:`state_dicts`
+    own_checkpoint: ClassVar[str | None] = None
+
+    def save_own(self, path: Path) -> None:
+        """Write the model and optimizer in the engine's own format under ``path`` (every
+        rank calls it; all ranks' files are written when it returns)."""
+        raise NotImplementedError
+
+    def load_own(self, path: Path) -> None:
+        """Read what :meth:`save_own` wrote under ``path`` into the model and optimizer.
+
+        Raises:
+            CheckpointError: a file that could run code when read, or that does not fit.
+        """
+        raise NotImplementedError
 
     @property
     def partial_optimizer(self) -> bool:

@@ -9,7 +9,11 @@ checks the loss, and steps the user's LR scheduler once per optimizer step.
 
 from __future__ import annotations
 
+import importlib
 import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
@@ -53,21 +57,48 @@ class DeepSpeedEngine(Engine):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)
 
+    def full_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameters as DeepSpeed's fp32 master weights, gathered (its
+        ``safe_get_full_fp32_param``; the module's own value where it keeps none), and
+        buffers as the module holds them."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self.unwrap(model)
+        params = dict(module.named_parameters())
+        for name, value in module.state_dict().items():
+            param = params.get(name)
+            if param is None:
+                yield name, value
+                continue
+            full = safe_get_full_fp32_param(param)
+            if full is None:  # no ZeRO and no low-precision copy: the parameter is the master
+                full = param.detach().float()
+            yield name, full
+
     def stepper(self) -> type[Stepper]:
         """The step that drives DeepSpeed's engine."""
         return DeepSpeedStepper
 
+    own_checkpoint: ClassVar[str | None] = "deepspeed"
+
+    def save_own(self, path: Path) -> None:
+        self.ds.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
+        if dist.is_initialized():
+            dist.barrier()  # rank 0 hashes every rank's files next
+
+    def load_own(self, path: Path) -> None:
+        for file in sorted(path.glob("*.pt")):
+            check_pickle(file)
+        loaded, _ = self.ds.load_checkpoint(str(path.parent), tag=path.name,
+                                            load_optimizer_states=True,
+                                            load_lr_scheduler_states=True)
+        if loaded is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint in {path}")
+
     def state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
                     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        raise CheckpointError(
-            "sw.save/sw.load/sw.export do not yet take a deepspeed() bundle: save with "
-            "DeepSpeed's own bundle.model.save_checkpoint(dir) / load_checkpoint(dir); the "
-            "native engines (sw.from_config(ds_config) without engine=\"deepspeed\") save and "
-            "resume exactly")
-
-    def load_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                         loaded: dict[str, Any], other: dict[str, Any]) -> None:
-        self.state_dicts(model, optimizer)
+        raise CheckpointError("a deepspeed() bundle saves in DeepSpeed's own format (sw.save / "
+                              "sw.load); sw.export gathers its weights")
 
     def memory(self, model: nn.Module, env: Env, *, trained: set[int],
                optimizer_layout: tuple[float, float], precision_bytes: int,
@@ -94,6 +125,39 @@ class DeepSpeedEngine(Engine):
         return (f"DeepSpeed's engine, ZeRO stage {self.stage} over {self.world_size} rank(s)"
                 f"{off}; its own accumulation boundaries (windows run across epoch ends), "
                 "clipping and optimizer step")
+
+
+#: the classes DeepSpeed's checkpoint files hold beside tensors and plain data: plain
+#: records, rebuilt from their fields (no code of the file's choosing runs)
+_SAFE = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+         "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+         "deepspeed.runtime.zero.config.ZeroStageEnum",
+         "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def check_pickle(path: Path) -> None:
+    """Read ``path`` with torch's weights-only unpickler and DeepSpeed's plain records
+    allowed, before DeepSpeed reads it with the full one.
+
+    Raises:
+        CheckpointError: the file names another class or function (it could run code).
+    """
+    allowed = []
+    for name in _SAFE:
+        module, _, attr = name.rpartition(".")
+        found = getattr(importlib.import_module(module), attr, None)
+        if found is not None:
+            allowed.append(found)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # the unpickler's refusals and damaged files alike
+        text = str(exc)
+        named = re.search(r"GLOBAL ([\w.]+)", text)
+        why = f"it names {named.group(1)}, which could run code when read" if named else \
+            f"it cannot be read ({type(exc).__name__})"
+        raise CheckpointError(f"{path} is refused: {why}; only tensors, plain data and "
+                              "DeepSpeed's own records are read") from None
 
 
 class DeepSpeedStepper(Stepper):

@@ -75,9 +75,11 @@ class DeepSpeed(Distribution):
     (and keys it leaves out) take the pipeline's precision, accumulation and clipping, the
     loader's batch size and the optimizer's hyperparameters; a transform that says
     otherwise than the config is refused naming both. The optimizer you pass is DeepSpeed's
-    client optimizer, unless the config has an ``optimizer`` block. ``bundle.step``,
-    ``bundle.predict`` and ``sw.fit`` drive it; DeepSpeed decides the accumulation
-    boundaries. Needs ``pip install 'shardwise[deepspeed]'``.
+    client optimizer, unless the config has an ``optimizer`` block (then pass None, or the
+    optimizer whose hyperparameters fill its ``"auto"`` values). ``bundle.step``,
+    ``bundle.predict``, ``sw.fit``, ``sw.save``/``sw.load`` (DeepSpeed's own files, checked
+    before DeepSpeed reads them) and ``sw.export`` drive it; DeepSpeed decides the
+    accumulation boundaries. Needs ``pip install 'shardwise[deepspeed]'``.
 
     Args:
         config: a path to a DeepSpeed JSON, or a mapping.
@@ -141,15 +143,15 @@ class DeepSpeed(Distribution):
             raise ConflictError(f"{self!r} with on_nonfinite='skip': DeepSpeed skips only fp16 "
                                 "overflows (its loss scaler); under fp32/bf16 a non-finite loss "
                                 "raises. Use on_nonfinite='raise'")
-        if bundle.optimizer is None:
-            raise ArgumentError(f"{self!r} needs the optimizer (DeepSpeed's client optimizer), "
-                                "or an optimizer block in the config")
+        own_optimizer = isinstance(self._read().get("optimizer"), Mapping)
+        if bundle.optimizer is None and not own_optimizer:
+            raise ArgumentError(f"{self.origin}: deepspeed() needs the optimizer (DeepSpeed's "
+                                "client optimizer), or an optimizer block in the config")
         refuse_state(bundle.optimizer)
         config, precision, steps = resolve(
             self._read(), self.origin, given=self._given(plan),
             micro=getattr(bundle.loader, "batch_size", None), world=env.world_size,
             model=bundle.model, optimizer=bundle.optimizer)
-        own_optimizer = isinstance(config.get("optimizer"), Mapping)
         if isinstance(config.get("scheduler"), Mapping) and bundle.scheduler is not None:
             raise ConflictError(f"{self.origin} has a scheduler block and a scheduler was passed "
                                 "to the pipeline call: keep one")

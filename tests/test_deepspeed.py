@@ -388,6 +388,11 @@ def test_save_load_resume_in_new_processes_is_bit_exact_and_export_gathers(tmp_p
     path = tmp_path / "split" / "zero3_fp32" / "step_00000004"
     assert sorted(p.name for p in (path / "deepspeed").iterdir())  # DeepSpeed's own files
     assert "deepspeed/" in (path / "checksums.json").read_text()  # ... verified on load
+    model = _model()  # a checkpoint of one engine is refused by a bundle of the other
+    native = sw.pipeline(sw.Env())(model, torch.optim.AdamW(model.parameters()), _loader(8))
+    with pytest.raises(CheckpointError, match="written by the deepspeed engine, this bundle "
+                                              "runs the torch engine"):
+        sw.load(path, native)
 
 
 def test_a_deepspeed_file_that_could_run_code_is_refused(tmp_path):

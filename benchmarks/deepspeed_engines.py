@@ -58,6 +58,7 @@ def _held(bundle: sw.Bundle) -> float:
     for optimizer in optimizers:
         if optimizer is None:
             continue
+        optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own
         total += sum(_bytes(v) for s in optimizer.state.values() for v in s.values()
                      if isinstance(v, torch.Tensor))
     return total / MIB

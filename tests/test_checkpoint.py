@@ -250,17 +250,18 @@ def test_unwritable_directory_and_mid_window_saves_are_refused(tmp_path):
 def test_a_full_disk_during_save_raises_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import errno
 
-    import shardwise.checkpoint
 
     bundle = build([], accumulate=1)
     state, _ = train_for(bundle, bundle.init(), 1)
     previous = sw.save(tmp_path, bundle, state)
 
-    class FullDisk(shardwise.checkpoint.FileSystemWriter):
+    import torch.distributed.checkpoint as dcp
+
+    class FullDisk(dcp.FileSystemWriter):
         def write_data(self, plan, planner):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shardwise.checkpoint, "FileSystemWriter", FullDisk)
+    monkeypatch.setattr(dcp, "FileSystemWriter", FullDisk)  # imported when save() runs
     state, _ = train_for(bundle, state, 1)
     with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint is intact"):
         sw.save(tmp_path, bundle, state)
@@ -666,7 +667,7 @@ def test_a_checkpoint_that_lost_its_checksums_is_refused_unless_it_predates_them
     assert sw.load(tmp_path, bundle).step == 1
     meta = json.loads((older / "shardwise.json").read_text())
     assert meta["checksums"] == "checksums.json"
-    del meta["checksums"]  # as written before checksums existed: loaded unverified
+    del meta["checksums"], meta["engine"]  # as written before both: loaded unverified
     (older / "shardwise.json").write_text(json.dumps(meta))
     (older / "checksums.json").unlink()
     assert sw.load(older, bundle).step == 1

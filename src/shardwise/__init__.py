@@ -11,12 +11,11 @@ Example:
 
 import importlib
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardwise import errors, policies
 from shardwise.bundle import Bundle, Plan
 from shardwise.checkpoint import latest_checkpoint, load, save
-from shardwise.configured import from_config, from_ddp_args, from_training_args
 from shardwise.data import to_device
 from shardwise.distributed import ensure_process_group, main_process_first
 from shardwise.env import CONFIG_ENV_VAR, Env, detect
@@ -43,6 +42,13 @@ from shardwise.transforms import (
     shard,
     shard_optimizer,
 )
+
+if TYPE_CHECKING:  # imported on first use (the config readers and YAML cost ~60 ms)
+    from shardwise.configured import from_config, from_ddp_args, from_training_args
+
+#: names imported on first use, by module
+_LAZY = {"from_config": "shardwise.configured", "from_ddp_args": "shardwise.configured",
+         "from_training_args": "shardwise.configured", "testing": None}
 
 try:
     __version__ = version("shardwise")
@@ -99,7 +105,12 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``sw.testing`` is imported on first use: test helpers stay out of production imports."""
+    """Names imported on first use: ``sw.testing`` (test helpers stay out of production
+    imports) and the config readers (``sw.from_config``, ...)."""
     if name == "testing":
         return importlib.import_module("shardwise.testing")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(str(_LAZY[name])), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

@@ -19,14 +19,10 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils._pytree import tree_map
 
 from shardwise import _integrity, _rng
@@ -41,12 +37,14 @@ from shardwise._layout import (
     read_json,
     write_durably,
 )
-from shardwise._safe_reader import SafeLoadPlanner, SafeReader
 from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader
 from shardwise.distributed import all_agree, joined
 from shardwise.errors import CheckpointError
 from shardwise.state import TrainState
+
+if TYPE_CHECKING:
+    from shardwise._safe_reader import SafeReader
 
 __all__ = ["save", "load", "latest_checkpoint"]
 
@@ -138,6 +136,11 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             if bundle.scheduler is not None else None,
             "scaler": plain(bundle.scaler.state_dict(), "the grad scaler's state")
             if bundle.scaler is not None else None}
+    # torch.distributed.checkpoint is imported when first used: it costs most of a second
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         if own is None:
             with _dcp_quietly():
@@ -193,6 +196,8 @@ def _refuse_code(model_sd: dict[str, Any]) -> None:
 
 def _cause(exc: BaseException) -> str:
     """The first line of the underlying error: DCP wraps each rank's in a CheckpointException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(exc, CheckpointException):
         for failure in exc.failures.values():
             cause = failure[0] if isinstance(failure, tuple) else failure
@@ -243,6 +248,8 @@ def _check_fits(path: Path, reader: SafeReader, target: dict[str, Any],
     With ``partial_optimizer`` (ZeRO-1, or a bundle without an optimizer, e.g. for
     evaluation) optimizer keys this rank does not load are expected.
     """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     saved = {k: tuple(v.size) for k, v in reader.read_metadata().state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
     wanted = _flat_shapes(target)
@@ -331,6 +338,11 @@ def _load_own(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
 
 def _load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
     """The model and optimizer tensors of a DCP checkpoint, all or nothing."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardwise._safe_reader import SafeLoadPlanner, SafeReader
+
     reader = SafeReader(path)
     engine = bundle.engine
     model_sd, tensors, _ = engine.state_dicts(bundle.model, bundle.optimizer)

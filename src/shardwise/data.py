@@ -8,7 +8,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import (
     DataLoader,
@@ -48,7 +47,11 @@ def to_device(batch: Any, device: torch.device, *, non_blocking: bool = True) ->
     """
     leaves, spec = tree_flatten(batch)
     tensors = {str(i): leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
-    if tensors:
+    if tensors and any(t.device != device for t in tensors.values()):
+        # imported here: tensordict pulls in torch._dynamo (over a second), and only a
+        # transfer needs it
+        from tensordict import TensorDict
+
         moved = TensorDict(tensors, batch_size=[]).to(device, non_blocking=non_blocking)
         for key, value in moved.items():
             leaves[int(key)] = value

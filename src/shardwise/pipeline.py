@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import torch
@@ -14,8 +14,6 @@ from shardwise._params import refuse_state
 from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.choice import SAFE_FRACTION, choose_distribution, sample_batch
-from shardwise.configs import ConfigResult, read_config
-from shardwise.configs.accelerate_env import ORIGIN, launched_by_accelerate, read_accelerate_variables
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError, ConfigError, ConflictError, ShardwiseError
@@ -25,6 +23,9 @@ from shardwise.transforms.base import Stage, Transform, check_combination
 from shardwise.transforms.distribute_data import DistributeData, distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
 from shardwise.transforms.place import Place, place
+
+if TYPE_CHECKING:
+    from shardwise.configs import ConfigResult
 
 __all__ = ["Pipeline", "pipeline", "Step", "Origin", "assemble"]
 
@@ -243,6 +244,16 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
                             "pass one")
     check_on_nonfinite(on_nonfinite, "pipeline()")
     env = envs[0] if envs else detect()
+    if not (env.config_path or env.accelerate_variables):
+        return assemble(env, transforms, None, on_nonfinite=on_nonfinite)
+    # the config readers (and YAML) are imported only when there is a config to read
+    from shardwise.configs import ConfigResult, read_config
+    from shardwise.configs.accelerate_env import (
+        ORIGIN,
+        launched_by_accelerate,
+        read_accelerate_variables,
+    )
+
     if env.config_path:
         note = (f"config {env.config_path} applied; transforms given in code take precedence "
                 "over it")

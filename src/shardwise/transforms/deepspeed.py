@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from shardwise._config_source import load_source, short
-from shardwise._deepspeed_auto import Given, resolve
 from shardwise._params import refuse_state
+from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.engines.base import Engine
@@ -23,6 +22,9 @@ from shardwise.transforms.accumulate_gradients import AccumulateGradients
 from shardwise.transforms.base import Distribution
 from shardwise.transforms.clip_gradients import ClipGradients
 from shardwise.transforms.mixed_precision import MixedPrecision
+
+if TYPE_CHECKING:
+    from shardwise._deepspeed_auto import Given
 
 __all__ = ["DeepSpeed", "deepspeed"]
 
@@ -103,8 +105,9 @@ class DeepSpeed(Distribution):
         return self.source or "<deepspeed config mapping>"
 
     def _read(self) -> Mapping[str, Any]:
-        source = load_source(self.config)
-        return source.data
+        from shardwise._config_source import load_source  # YAML and the readers, when used
+
+        return load_source(self.config).data
 
     def excludes(self) -> dict[str, str]:
         return {"shard_optimizer": "DeepSpeed's ZeRO stages shard optimizer state: set "
@@ -124,6 +127,8 @@ class DeepSpeed(Distribution):
                                offload=_offload(config))
 
     def _given(self, plan: Plan) -> Given:
+        from shardwise._deepspeed_auto import Given
+
         found = {type(t): t for t in plan.applied}
         precision = found.get(MixedPrecision)
         steps = found.get(AccumulateGradients)
@@ -143,6 +148,8 @@ class DeepSpeed(Distribution):
             raise ConflictError(f"{self!r} with on_nonfinite='skip': DeepSpeed skips only fp16 "
                                 "overflows (its loss scaler); under fp32/bf16 a non-finite loss "
                                 "raises. Use on_nonfinite='raise'")
+        from shardwise._deepspeed_auto import resolve
+
         own_optimizer = isinstance(self._read().get("optimizer"), Mapping)
         if bundle.optimizer is None and not own_optimizer:
             raise ArgumentError(f"{self.origin}: deepspeed() needs the optimizer (DeepSpeed's "

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import precision
@@ -23,6 +22,9 @@ from shardwise.plan import Plan
 from shardwise.policies import Policy, select
 from shardwise.transforms._checks import boolean, to_policy
 from shardwise.transforms.base import Distribution
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import OffloadPolicy
 
 __all__ = ["Shard", "shard"]
 
@@ -103,6 +105,9 @@ class Shard(Distribution):
         env, model, plan = bundle.env, bundle.model, bundle.plan
         if not env.is_distributed:
             return bundle
+        # imported when first used: FSDP and DTensor take most of a second to import
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
         if isinstance(model, (FSDPModule, DistributedDataParallel)):
             raise ConflictError(f"{self!r}: the model is already a {type(model).__name__}; "
                                 "pass the bare module")

@@ -107,6 +107,7 @@ CASES = {
     "zero1_fp32": {**FP32},
     "zero2_fp32": {**FP32, "zero_optimization": {"stage": 2}},
     "zero3_fp32": {**FP32, "zero_optimization": {"stage": 3}},
+    "zero2_fp32_clip": {**FP32, "zero_optimization": {"stage": 2}},
     "zero2_fp32_offload": {**FP32, "zero_optimization": {
         "stage": 2, "offload_optimizer": {"device": "cpu"}}},
     "zero1_bf16": {**FP32},
@@ -114,7 +115,7 @@ CASES = {
     "zero3_bf16": {**FP32, "zero_optimization": {"stage": 3}},
 }
 PRECISION = {"zero1_bf16": "bf16", "zero2_bf16_clip": "bf16", "zero3_bf16": "bf16"}
-CLIP = {"zero2_bf16_clip": 0.5}
+CLIP = {"zero2_bf16_clip": 0.5, "zero2_fp32_clip": 0.05}
 
 
 def _run_cases():
@@ -165,9 +166,11 @@ def _run_cases():
 def test_zero_stages_on_two_ranks_match_one_process():
     ranks = run_distributed(_run_cases, timeout=600)
     reference = {p: _reference(p) for p in ("fp32", "bf16")}
-    reference["clip"] = _reference("bf16", clip=0.5)
+    reference["bf16 clip"] = _reference("bf16", clip=0.5)
+    reference["fp32 clip"] = _reference("fp32", clip=0.05)  # SGD: clipping shows exactly
     for name in [*CASES, "from_config"]:
-        key = "clip" if name in CLIP else PRECISION.get(name, "fp32")
+        precision = PRECISION.get(name, "fp32")
+        key = f"{precision} clip" if name in CLIP else precision
         want_state, want_losses, want = reference[key]
         for rank in range(2):
             state, losses, got, (opt_held, param_held), total = ranks[rank][name]
@@ -176,7 +179,7 @@ def test_zero_stages_on_two_ranks_match_one_process():
             # fp32 (SGD): DeepSpeed's reduction order only, measured 3e-8..1.2e-7. bf16 (AdamW,
             # lr 1e-2, 4 steps): DeepSpeed keeps bf16 parameters where one process keeps fp32
             # ones, measured 0.023-0.024 (docs/deepspeed.md)
-            assert worst < (1e-6 if key == "fp32" else 3e-2), (name, worst)
+            assert worst < (1e-6 if precision == "fp32" else 3e-2), (name, worst)
             if name.startswith(("zero1", "zero2")) and "offload" not in name:
                 assert opt_held <= total / 2 + 64, (name, opt_held, total)  # optimizer sharded
             if name.startswith("zero3"):
@@ -184,7 +187,7 @@ def test_zero_stages_on_two_ranks_match_one_process():
         # each rank reports its own micro-batch's loss; their mean is the global batch's
         mean = [(a + b) / 2 for a, b in zip(ranks[0][name][1], ranks[1][name][1], strict=True)]
         assert max(abs(a - b) for a, b in zip(mean, want_losses, strict=True)) < (
-            1e-5 if key == "fp32" else 5e-2), (name, mean, want_losses)
+            1e-5 if precision == "fp32" else 5e-2), (name, mean, want_losses)
     for stage in (1, 3):  # DeepSpeed's engine against the native mapping of its config
         native, deepspeed_ = ranks[0][f"native_zero{stage}"], ranks[0][f"zero{stage}_fp32"][2]
         worst = max((deepspeed_[k] - native[k].float()).abs().max().item() for k in native)
@@ -254,11 +257,24 @@ def test_auto_values_are_resolved_as_transformers_resolves_them():
      r"scheduler.params.warmup_num_steps=\"auto\" cannot be resolved here"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, _given(), r"both true"),
     ({"gradient_accumulation_steps": 0}, _given(), r"gradient_accumulation_steps=0"),
+    ({"gradient_accumulation_steps": 10**15}, _given(),
+     r"gradient_accumulation_steps=1000000000000000: accepted: an integer from 1 to"),
+    ({"train_micro_batch_size_per_gpu": "4"}, _given(),
+     r"train_micro_batch_size_per_gpu='4': accepted: an integer from 1 to"),
+    ({"train_batch_size": -3}, _given(), r"train_batch_size=-3: accepted: an integer from 1"),
+    ({"bf16": []}, _given(), r"ds.json: bf16=\[\]: accepted: a mapping"),
 ])
 def test_contradictions_and_unresolvable_autos_are_refused_naming_both(config, given, message):
     with pytest.raises(ConfigError, match=message):
         resolve(config, "ds.json", given=given, micro=2, world=8, model=_model(),
                 optimizer=None)
+
+
+def test_an_unresolved_auto_is_named_in_a_bounded_message():
+    with pytest.raises(ConfigError) as caught:
+        resolve({"x" * 100_000: "auto"}, "ds.json", given=_given(), micro=2, world=8,
+                model=_model(), optimizer=None)
+    assert "cannot be resolved here" in str(caught.value) and len(str(caught.value)) < 1000
 
 
 def test_a_missing_deepspeed_names_the_extra(monkeypatch):
@@ -378,7 +394,7 @@ def test_save_load_resume_in_new_processes_is_bit_exact_and_export_gathers(tmp_p
             got_state, got, got_exported, got_lr = resumed[rank][name]
             assert got_state == state and state.step == 4, name
             assert all(torch.equal(got[k], params[k]) for k in params), name
-            assert got_lr == lr, name
+            assert got_lr == lr == [pytest.approx(1e-2 * 0.9**4)], name  # once per step
         _, params, exported, _ = whole[0][name]
         assert sorted(exported) == sorted(params)  # clean names, every tensor
         for key, value in params.items():  # the fp32 master weights, gathered
@@ -393,6 +409,51 @@ def test_save_load_resume_in_new_processes_is_bit_exact_and_export_gathers(tmp_p
     with pytest.raises(CheckpointError, match="written by the deepspeed engine, this bundle "
                                               "runs the torch engine"):
         sw.load(path, native)
+
+
+class Payload:
+    """Runs a command when unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _load_tampered(root):
+    config, precision = RESUMED["zero3_fp32"]
+    model = _model()
+    bundle = sw.pipeline(sw.detect(), sw.deepspeed(config), sw.accumulate_gradients(2),
+                         sw.mixed_precision(precision))(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loader(4))
+    try:
+        sw.load(root, bundle)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+@needs_deepspeed
+def test_sw_load_refuses_a_planted_pickle_before_deepspeed_reads_it(tmp_path):
+    import json
+    import shutil
+
+    from shardwise import _integrity
+
+    run_distributed(_resume_run, str(tmp_path / "run"), STEPS // 2, True, timeout=600)
+    step = tmp_path / "run" / "zero3_fp32" / "step_00000002"
+    target = sorted((step / "deepspeed").glob("*model_states.pt"))[0]
+    torch.save({"module": Payload(tmp_path / "ran")}, target)
+    manifest = json.loads((step / "checksums.json").read_text())  # resealed, as a forger would
+    manifest["files"][str(target.relative_to(step))] = _integrity._digest(target)
+    manifest["sealed"] = _integrity._sealed(manifest["files"])
+    (step / "checksums.json").write_text(json.dumps(manifest))
+    shutil.rmtree(tmp_path / "run" / "zero2_bf16")
+    messages = run_distributed(_load_tampered, str(step), timeout=600)
+    for message in messages:
+        assert message is not None and f"{target.name} is refused: it names" in message
+    assert not (tmp_path / "ran").exists()  # nothing ran, on any rank
 
 
 def test_a_deepspeed_file_that_could_run_code_is_refused(tmp_path):
@@ -410,3 +471,77 @@ def test_a_deepspeed_file_that_could_run_code_is_refused(tmp_path):
     assert not (tmp_path / "ran").exists()
     torch.save({"module": {"w": torch.ones(2)}, "global_steps": 3}, path)
     check_pickle(path)  # tensors and plain data pass
+
+
+
+def _epoch_ends():
+    """5 micro-batches an epoch, windows of 2: DeepSpeed's windows close at each epoch end
+    (2, 2, 1), the short one normalised by what it holds; and one process alone."""
+    out = {}
+    for name, size in (("epoch_ends", 40),):
+        model = _model()
+        bundle = sw.pipeline(sw.detect(), sw.deepspeed(FP32), sw.accumulate_gradients(2),
+                             sw.mixed_precision("fp32"))(
+            model, _optimizer(model, "fp32"),
+            DataLoader(SyntheticTokens(size=size, seq_len=8), batch_size=4, shuffle=True))
+        state = bundle.init()
+        for _ in range(2):
+            for batch in bundle.loader:
+                state, _ = bundle.step(state, batch)
+        out[name] = (state, _full_params(bundle))
+    return out
+
+
+def _one_process_deepspeed():
+    """ZeRO-2 with optimizer offload in a single process (no launcher), and a tied model's
+    export."""
+    import safetensors.torch
+
+    model = _model()
+    model.head.weight = model.embed.weight  # tied, as GPT-2 and Llama heads are
+    bundle = sw.pipeline(sw.detect(), sw.deepspeed({**FP32, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}}))(
+        model, torch.optim.AdamW(model.parameters()), _loader(4))
+    state, _ = _train(bundle)
+    sw.export("one_export", bundle)
+    exported = safetensors.torch.load_file("one_export/model.safetensors")
+    return state, {k: tuple(v.shape) for k, v in exported.items()}, \
+        torch.equal(exported["head.weight"], exported["embed.weight"])
+
+
+@needs_deepspeed
+def test_windows_close_at_epoch_ends_and_one_process_runs(tmp_path, monkeypatch):
+    [got] = run_distributed(_epoch_ends, timeout=600)[:1]
+    state, params = got["epoch_ends"]
+    model = _model()
+    bundle = sw.pipeline(sw.Env(), sw.accumulate_gradients(2), sw.mixed_precision("fp32"))(
+        model, _optimizer(model, "fp32"),
+        DataLoader(SyntheticTokens(size=40, seq_len=8), batch_size=8, shuffle=True))
+    want = bundle.init()
+    for _ in range(2):
+        for batch in bundle.loader:
+            want, _ = bundle.step(want, batch)
+    assert state == want and state.step == 6  # 3 windows an epoch
+    expected = full_state(bundle.model)
+    assert max((params[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
+    monkeypatch.chdir(tmp_path)
+    [(state, shapes, tied)] = run_distributed(_one_process_deepspeed, world_size=1, timeout=600)
+    assert state.step == STEPS  # no accumulation: one optimizer step a micro-batch
+    assert shapes["head.weight"] == shapes["embed.weight"] == (32, 16) and tied
+
+
+@needs_deepspeed
+def test_a_scheduler_beside_a_config_optimizer_is_refused():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    config = {**FP32, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    with pytest.raises(ConflictError, match="optimizer block.*scheduler"):
+        sw.pipeline(sw.Env(), sw.deepspeed(config))(
+            model, optimizer, _loader(4),
+            scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1))
+    with pytest.raises(ConfigError, match="bfloat16.enabled=True and bf16.enabled=False"):
+        resolve({"bfloat16": {"enabled": True}, "bf16": {"enabled": False}}, "ds.json",
+                 given=_given(), micro=2, world=8, model=_model(), optimizer=None)
+    cfg, precision, _ = resolve({"bfloat16": {"enabled": True}}, "ds.json", given=_given(),
+                                micro=2, world=8, model=_model(), optimizer=None)
+    assert precision == "bf16" and "bfloat16" not in cfg  # the old name is read, not dropped

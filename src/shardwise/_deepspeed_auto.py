@@ -51,12 +51,15 @@ def _autos(value: Any, where: str = "") -> Iterator[str]:
         yield where.rstrip(".")
 
 
-def _block(cfg: dict[str, Any], key: str) -> dict[str, Any]:
+MAX_COUNT = 2**31 - 1  # a batch size or step count beyond this is a typo
+
+
+def _block(cfg: dict[str, Any], key: str, origin: str) -> dict[str, Any]:
     block = cfg.get(key)
     if block is None:
         block = cfg[key] = {}
     if not isinstance(block, dict):
-        raise ConfigError(f"{key}={short(block)}: accepted: a mapping")
+        raise ConfigError(f"{origin}: {key}={short(block)}: accepted: a mapping")
     return block
 
 
@@ -77,10 +80,33 @@ class _Resolver:
                             "one place (or \"auto\" in the config)")
         return said
 
+    def count(self, key: str, value: Any) -> int:
+        """An integer from 1 to :data:`MAX_COUNT` (a bool or a string is refused)."""
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+            raise self.fail(f"{key}={short(value)}: accepted: an integer from 1 to {MAX_COUNT}")
+        return value
+
+    def alias(self) -> None:
+        """DeepSpeed's old name ``bfloat16`` read as ``bf16`` (it reads ``bfloat16`` only
+        when ``bf16`` is absent); both given with different values are refused."""
+        old = self.cfg.pop("bfloat16", None)
+        if old is None:
+            return
+        if not isinstance(old, dict):
+            raise self.fail(f"bfloat16={short(old)}: accepted: a mapping")
+        new = self.cfg.get("bf16")
+        if isinstance(new, dict) and "enabled" in new and "enabled" in old and \
+                new["enabled"] != old["enabled"]:
+            raise self.fail(f"bfloat16.enabled={short(old['enabled'])} and "
+                            f"bf16.enabled={short(new['enabled'])} contradict each other (the same "
+                            "setting under its old and new names); keep one")
+        self.cfg["bf16"] = {**old, **(new if isinstance(new, dict) else {})}
+
     def precision(self, given: Given) -> str:
+        self.alias()
         said: dict[str, Any] = {}
         for name in ("fp16", "bf16"):
-            enabled = _block(self.cfg, name).get("enabled")
+            enabled = _block(self.cfg, name, self.origin).get("enabled")
             if enabled is not None and enabled != AUTO and not isinstance(enabled, bool):
                 raise self.fail(f"{name}.enabled={short(enabled)}: accepted: true, false or "
                                 "\"auto\"")
@@ -113,7 +139,8 @@ class _Resolver:
                 raise self.fail("train_micro_batch_size_per_gpu cannot be resolved: the loader "
                                 "has no batch_size; write the value")
             cfg["train_micro_batch_size_per_gpu"] = micro
-        elif micro is not None and said_micro != micro:
+        elif self.count("train_micro_batch_size_per_gpu", said_micro) != micro and \
+                micro is not None:
             raise self.fail(f"train_micro_batch_size_per_gpu={short(said_micro)} but the "
                             f"loader's batch_size is {micro}; make them equal or set it to "
                             "\"auto\"")
@@ -121,7 +148,7 @@ class _Resolver:
         said_total = cfg.get("train_batch_size")
         if said_total in (None, AUTO):
             cfg["train_batch_size"] = total
-        elif said_total != total:
+        elif self.count("train_batch_size", said_total) != total:
             raise self.fail(f"train_batch_size={short(said_total)} must equal "
                             f"train_micro_batch_size_per_gpu ({cfg['train_micro_batch_size_per_gpu']})"
                             f" x gradient_accumulation_steps ({steps}) x world size ({world}) = "
@@ -182,9 +209,7 @@ def resolve(config: Mapping[str, Any], origin: str, *, given: Given, micro: int 
     precision = r.precision(given)
     steps = r.agree("gradient_accumulation_steps", cfg.get("gradient_accumulation_steps"),
                     given.steps, given.steps_by)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise r.fail(f"gradient_accumulation_steps={short(steps)}: accepted: an integer >= 1")
-    cfg["gradient_accumulation_steps"] = steps
+    cfg["gradient_accumulation_steps"] = steps = r.count("gradient_accumulation_steps", steps)
     clip = r.agree("gradient_clipping", cfg.get("gradient_clipping"), given.clipping or 0.0,
                    given.clipping_by)
     if "gradient_clipping" in cfg or given.clipping_by is not None:
@@ -193,7 +218,7 @@ def resolve(config: Mapping[str, Any], origin: str, *, given: Given, micro: int 
     r.optimizer(optimizer)
     r.scheduler(optimizer)
     r.buckets(model)
-    left = sorted(_autos(cfg))
+    left = [_excerpt(key, 80).strip("'") for key in sorted(_autos(cfg))]
     if left:
         raise r.fail(f"{left[0]}=\"auto\" cannot be resolved here (shardwise fills the batch "
                      "sizes, accumulation, precision, clipping, optimizer and warm-up "

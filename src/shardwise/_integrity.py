@@ -54,8 +54,9 @@ def digests_of(root: Path, rank: int, own: str | None = None) -> dict[str, str]:
     names.append(root / "rng" / f"rank_{rank:05d}.json")
     if rank == 0:
         names += [root / ".metadata", root / "shardwise.json"]
-        if own is not None:
-            names += sorted(p for p in (root / own).rglob("*") if not p.is_dir())
+        if own is not None:  # the engine's files, and any it wrote beside them (scripts)
+            names += sorted(p for p in root.rglob("*") if not p.is_dir()
+                            and p.name != MANIFEST and p.parent.name != "rng")
     return {str(p.relative_to(root)): _digest(p) for p in names if p.is_file()}
 
 

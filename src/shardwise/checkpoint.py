@@ -325,9 +325,16 @@ def _load_own(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
                               f"{engine.own_checkpoint} engine, which partitions its state by "
                               f"rank; load it on {meta.get('world_size')} rank(s), not "
                               f"{env.world_size}")
-    ok, problem = True, ""
+    own, ok, problem = path / str(engine.own_checkpoint), True, ""
+    try:  # every rank checks before any rank enters the engine's reader (a collective)
+        engine.check_own(own)
+    except CheckpointError as exc:
+        ok, problem = False, str(exc)
+    if not all_agree(env, ok):
+        raise CheckpointError(problem or f"{path} was refused on another rank; nothing was "
+                              "restored")
     try:
-        engine.load_own(path / str(engine.own_checkpoint))
+        engine.load_own(own)
     except CheckpointError as exc:
         ok, problem = False, str(exc)
     except Exception as exc:  # the engine's own reader: its errors are many types

@@ -24,10 +24,10 @@ from shardwise.configs.deepspeed import Said, build, merge, read_json
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env, detect
 from shardwise.errors import ConfigError
-from shardwise.transforms.accumulate_gradients import AccumulateGradients, accumulate_gradients
+from shardwise.transforms.accumulate_gradients import accumulate_gradients
 from shardwise.transforms.base import Stage, Transform
 from shardwise.transforms.checkpoint_activations import CheckpointActivations, checkpoint_activations
-from shardwise.transforms.clip_gradients import ClipGradients, clip_gradients
+from shardwise.transforms.clip_gradients import clip_gradients
 from shardwise.transforms.distribute_data import distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
 from shardwise.transforms.replicate import replicate
@@ -486,9 +486,7 @@ def read_training_args(args: Any, env: Env | None = None,
     if a["deepspeed"] is not None:
         if fsdp is not None:
             raise ConfigError(f"{origin}: fsdp and deepspeed are both set; choose one")
-        out = _deepspeed(src, a, env)  # checked as the Trainer checks it, either engine
-        if engine == "deepspeed":
-            out = _deepspeed_engine(src, a, out)
+        out = _deepspeed_engine(src, a) if engine == "deepspeed" else _deepspeed(src, a, env)
         if each or not sync:
             src.notice("accelerator_config.gradient_accumulation_kwargs", "is not applied "
                        "under deepspeed (its accumulation follows gradient_accumulation_steps)")
@@ -511,20 +509,53 @@ def read_training_args(args: Any, env: Env | None = None,
     return TrainingSettings(overrides, tuple(out), fit, (*src.notices, *notes), origin)
 
 
-def _deepspeed_engine(src: Source, a: dict[str, Any], native: list[Transform]
-                      ) -> list[Transform]:
-    """DeepSpeed's own engine on the ``deepspeed`` config, with the precision, accumulation
-    and clipping the arguments give (its ``"auto"`` values take them when the pipeline is
-    called; ``native`` is the same config mapped onto PyTorch, already checked)."""
+def _deepspeed_engine(src: Source, a: dict[str, Any]) -> list[Transform]:
+    """DeepSpeed's own engine on the ``deepspeed`` config. As the Trainer does, a value the
+    config gives must equal the argument's, and ``"auto"`` takes the argument's (clipping
+    only where the config says ``"auto"``: DeepSpeed does not clip by default)."""
+    from shardwise._deepspeed_auto import AUTO
     from shardwise.configs.deepspeed_json import engine_config
     from shardwise.transforms.deepspeed import deepspeed
 
-    keep = (MixedPrecision, AccumulateGradients, ClipGradients)
     raw = a["deepspeed"]
-    source = str(raw) if isinstance(raw, (str, Path)) else None
+    try:
+        config = engine_config(raw, "deepspeed")
+    except ConfigError as exc:
+        raise ConfigError(f"{src.origin}: deepspeed: {exc}") from None
+    where = str(raw) if isinstance(raw, (str, Path)) else "the deepspeed mapping"
+    steps = src.integer("gradient_accumulation_steps", a["gradient_accumulation_steps"], 1)
+    clip = src.number("max_grad_norm", a["max_grad_norm"])
+    bf16, fp16 = src.boolean("bf16", a["bf16"]), src.boolean("fp16", a["fp16"])
     per_device = src.integer("per_device_train_batch_size", a["per_device_train_batch_size"], 1)
-    return [deepspeed(engine_config(raw, "deepspeed"), source=source or "deepspeed argument"),
-            *(t for t in native if isinstance(t, keep)), PerDeviceBatch(per_device, src.origin)]
+
+    def said(*path: str) -> Any:
+        value: Any = config
+        for key in path:
+            value = value.get(key) if isinstance(value, Mapping) else None
+        return value
+
+    for path, argument, value in ((("gradient_accumulation_steps",), "gradient_accumulation_steps",
+                                   steps),
+                                  (("gradient_clipping",), "max_grad_norm", clip),
+                                  (("train_micro_batch_size_per_gpu",),
+                                   "per_device_train_batch_size", per_device),
+                                  (("bf16", "enabled"), "bf16", bf16),
+                                  (("fp16", "enabled"), "fp16", fp16)):
+        given = said(*path)
+        if given is not None and given != AUTO and given != value:
+            raise ConfigError(f"{src.origin}: {argument}={short(value)} contradicts "
+                              f"{'.'.join(path)}={short(given)} in {where}; set one (or "
+                              "\"auto\" in the file)")
+    if bf16 and fp16:
+        raise ConfigError(f"{src.origin}: bf16=True and fp16=True; choose one")
+    out: list[Transform] = [
+        deepspeed(config, source=where),
+        mixed_precision("bf16" if bf16 else "fp16" if fp16 else "fp32")]
+    if steps > 1:
+        out.append(accumulate_gradients(steps))
+    if said("gradient_clipping") == AUTO and clip > 0:
+        out.append(clip_gradients(clip))
+    return [*out, PerDeviceBatch(per_device, src.origin)]
 
 
 def _ddp(src: Source, a: dict[str, Any]) -> tuple[dict[str, Any], Transform]:

@@ -169,6 +169,15 @@ class Engine:
         rank calls it; all ranks' files are written when it returns)."""
         raise NotImplementedError
 
+    def check_own(self, path: Path) -> None:
+        """Check what :meth:`save_own` wrote under ``path`` before any of it is read (no
+        collective: every rank checks the same files).
+
+        Raises:
+            CheckpointError: a file that could run code when read.
+        """
+        raise NotImplementedError
+
     def load_own(self, path: Path) -> None:
         """Read what :meth:`save_own` wrote under ``path`` into the model and optimizer.
 

@@ -25,7 +25,7 @@ from shardwise.data import to_device
 from shardwise.distributed import collective_failure
 from shardwise.engines.base import Engine, MemoryParts, state_bytes
 from shardwise.env import Env
-from shardwise.errors import CheckpointError, LossError, NonFiniteError
+from shardwise.errors import CheckpointError, ConflictError, LossError, NonFiniteError
 from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
 from shardwise.step import Stepper
 
@@ -50,6 +50,9 @@ class DeepSpeedEngine(Engine):
     name: ClassVar[str] = "DeepSpeed"
     places_parameters: ClassVar[bool] = True
     owns_optimizer: ClassVar[bool] = True
+    #: DeepSpeed's bf16/fp16 converts the module itself: the forward runs without autocast,
+    #: as under DeepSpeed alone
+    casts_parameters: ClassVar[bool] = True
 
     def gradient_ranks(self, env: Env) -> int:
         return self.world_size
@@ -64,7 +67,7 @@ class DeepSpeedEngine(Engine):
         from deepspeed.utils import safe_get_full_fp32_param
 
         module = self.unwrap(model)
-        params = dict(module.named_parameters())
+        params = dict(module.named_parameters(remove_duplicate=False))  # tied ones too
         for name, value in module.state_dict().items():
             param = params.get(name)
             if param is None:
@@ -86,9 +89,12 @@ class DeepSpeedEngine(Engine):
         if dist.is_initialized():
             dist.barrier()  # rank 0 hashes every rank's files next
 
-    def load_own(self, path: Path) -> None:
-        for file in sorted(path.glob("*.pt")):
+    def check_own(self, path: Path) -> None:
+        """Every file DeepSpeed would unpickle, read first by the weights-only unpickler."""
+        for file in sorted(path.rglob("*.pt")):
             check_pickle(file)
+
+    def load_own(self, path: Path) -> None:
         loaded, _ = self.ds.load_checkpoint(str(path.parent), tag=path.name,
                                             load_optimizer_states=True,
                                             load_lr_scheduler_states=True)
@@ -123,8 +129,7 @@ class DeepSpeedEngine(Engine):
     def describe(self, env: Env) -> str:
         off = f", offload of {' and '.join(self.offload)} to the CPU" if self.offload else ""
         return (f"DeepSpeed's engine, ZeRO stage {self.stage} over {self.world_size} rank(s)"
-                f"{off}; its own accumulation boundaries (windows run across epoch ends), "
-                "clipping and optimizer step")
+                f"{off}; its clipping and optimizer step, at the windows the pipeline sets")
 
 
 #: the classes DeepSpeed's checkpoint files hold beside tensors and plain data: plain
@@ -175,14 +180,29 @@ class DeepSpeedStepper(Stepper):
                                  f"{micro}) on some rank; nothing of this micro-batch was "
                                  "applied")
 
+    def window_size(self, state: TrainState, epoch_end: bool, batch_in_epoch: int) -> int:
+        """Micro-batches in the current window: the full window, or fewer when the epoch
+        ends first (known when the loader's epoch length is)."""
+        if not self.plan.close_at_epoch_end or self.epoch_length is None:
+            return self.window
+        index = self.epoch_length - 1 if epoch_end else batch_in_epoch - 1
+        start = index - state.window_batches
+        return max(1, min(self.window, self.epoch_length - start))
+
     def step(self, state: TrainState, batch: Any,
              on_nonfinite: OnNonFinite | None) -> tuple[TrainState, StepOutput]:
         if on_nonfinite is not None:
             check_on_nonfinite(on_nonfinite, "step()", allow_none=True)
+            if on_nonfinite == "skip":
+                raise ConflictError("step(on_nonfinite='skip') under deepspeed(): DeepSpeed "
+                                    "skips only fp16 overflows; use 'raise'")
         ds = self.engine.ds  # type: ignore[attr-defined]
         micro, batches = state.micro_step + 1, state.window_batches + 1
-        epoch, batch_in_epoch, _ = self.position(state)
-        boundary = bool(ds.is_gradient_accumulation_boundary())
+        epoch, batch_in_epoch, epoch_end = self.position(state)
+        size = self.window_size(state, epoch_end, batch_in_epoch)
+        # the pipeline's windows, as in the native engines: DeepSpeed is told each boundary
+        boundary = batches == size
+        ds.set_gradient_accumulation_boundary(boundary)
         if self.move:
             batch = to_device(batch, self.device)
         self.phase = "forward"
@@ -199,7 +219,9 @@ class DeepSpeedStepper(Stepper):
             if not ds.fp16_enabled():  # fp16: DeepSpeed's loss scaler skips the step itself
                 self.check_loss(loss, state, micro)
             self.phase = "backward"
-            ds.backward(loss)
+            # DeepSpeed divides each loss by its accumulation steps; a window the epoch end
+            # shortened is normalised by what it holds
+            ds.backward(loss if size == self.window else loss * (self.window / size))
             self.phase = "optimizer step" if boundary else "DeepSpeed step (no update)"
             skipped_before = ds.skipped_steps
             ds.step()

@@ -69,6 +69,22 @@ def _offload(config: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _join(env: Env) -> None:
+    """The process group DeepSpeed runs over, and the variables it reads: torchrun's, set
+    from ``env`` where another launcher (srun, mpirun) or none started the job; one process
+    gets a group of its own."""
+    import torch.distributed as dist
+
+    for name, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size),
+                        ("LOCAL_RANK", env.local_rank),
+                        ("LOCAL_WORLD_SIZE", env.local_world_size)):
+        os.environ.setdefault(name, str(value))
+    if env.is_distributed:
+        ensure_process_group(env)
+    elif not dist.is_initialized():
+        dist.init_process_group(env.backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 @attrs.frozen(repr=False)
 class DeepSpeed(Distribution):
     """Run the model and optimizer with DeepSpeed's engine (ZeRO 0-3, offload, its optimizers).
@@ -150,10 +166,20 @@ class DeepSpeed(Distribution):
                                 "raises. Use on_nonfinite='raise'")
         from shardwise._deepspeed_auto import resolve
 
-        own_optimizer = isinstance(self._read().get("optimizer"), Mapping)
+        read = self._read()
+        own_optimizer = isinstance(read.get("optimizer"), Mapping)
         if bundle.optimizer is None and not own_optimizer:
             raise ArgumentError(f"{self.origin}: deepspeed() needs the optimizer (DeepSpeed's "
                                 "client optimizer), or an optimizer block in the config")
+        if own_optimizer and bundle.scheduler is not None:
+            raise ConflictError(f"{self.origin} has an optimizer block, so DeepSpeed builds its "
+                                "own optimizer, and a scheduler was passed to the pipeline call: "
+                                "it would schedule the optimizer DeepSpeed does not use. Put a "
+                                "scheduler block in the config, or drop the optimizer block")
+        universal = read.get("checkpoint")
+        if isinstance(universal, Mapping) and universal.get("load_universal"):
+            raise ConfigError(f"{self.origin}: checkpoint.load_universal is not supported: "
+                              "sw.load reads DeepSpeed's own per-rank files (same world size)")
         refuse_state(bundle.optimizer)
         config, precision, steps = resolve(
             self._read(), self.origin, given=self._given(plan),
@@ -166,19 +192,19 @@ class DeepSpeed(Distribution):
             config.setdefault("zero_allow_untested_optimizer", True)
             if "optimizer" in _offload(config):  # the client optimizer steps on the CPU
                 config.setdefault("zero_force_ds_cpu_optimizer", False)
-        ensure_process_group(env)
+        _join(env)
         try:
             engine, optimizer, _, scheduler = deepspeed.initialize(
                 model=bundle.model, optimizer=None if own_optimizer else bundle.optimizer,
                 model_parameters=[p for p in bundle.model.parameters() if p.requires_grad]
                 if own_optimizer else None, config=config, dist_init_required=False)
-        except (ValueError, AssertionError) as exc:
+        except (ValueError, AssertionError) as exc:  # its config checks (pydantic, asserts)
             raise ConfigError(f"{self.origin}: DeepSpeed refused the config: "
-                              f"{short(str(exc))}") from exc
+                              f"{str(exc)[:1000]}") from exc
         from shardwise.engines.deepspeed import DeepSpeedEngine
 
         plan = attrs.evolve(plan, precision=precision, accumulation_steps=steps,
-                            close_at_epoch_end=False, max_grad_norm=None)
+                            max_grad_norm=None)
         return attrs.evolve(
             bundle, model=engine, plan=plan, scaler=None,
             optimizer=optimizer if own_optimizer else bundle.optimizer,

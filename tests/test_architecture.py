@@ -131,3 +131,16 @@ def test_a_new_engine_plugs_in_without_touching_the_step_or_the_estimate():
     # asked before each micro-batch that does not end a window
     assert CALLS == [("memory", True), ("no_sync", 0), ("no_sync", 2)]
     assert state.step == 2
+
+
+def test_import_shardwise_is_light_and_its_functions_keep_their_names():
+    """``import shardwise`` imports no torch (``shardwise --help`` starts at once); importing
+    the modules ``fit``, ``pipeline`` and ``export`` leaves ``sw.fit`` ... the functions."""
+    code = ("import sys, shardwise; assert 'torch' not in sys.modules, 'torch imported'\n"
+            "import shardwise.fit, shardwise.pipeline, shardwise.export\n"
+            "import shardwise as sw\n"
+            "assert all(callable(f) for f in (sw.fit, sw.pipeline, sw.export))\n"
+            "from shardwise.fit import fit\n"
+            "assert fit is sw.fit and 'torch' in sys.modules\n"
+            "assert sorted(n for n in sw.__all__ if getattr(sw, n, None) is None) == []\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -81,9 +81,10 @@ def _module_entries(prefix: str, module: ModuleType, top: set[int]) -> list[Entr
 
 @functools.cache
 def _origins() -> dict[str, str]:
-    """Each name ``shardwise/__init__.py`` imports, with the module it comes from."""
+    """Each name ``shardwise/__init__.py`` imports (for type checkers, under
+    ``if TYPE_CHECKING:``), with the module it comes from."""
     tree = ast.parse(inspect.getsource(shardwise))
-    return {alias.asname or alias.name: node.module for node in tree.body
+    return {alias.asname or alias.name: node.module for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
 
 

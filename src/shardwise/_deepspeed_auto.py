@@ -20,7 +20,7 @@ from shardwise._text import short as _excerpt
 from shardwise.errors import ConfigError
 from shardwise.precision import Precision
 
-__all__ = ["Given", "resolve"]
+__all__ = ["Given", "check_total", "resolve"]
 
 AUTO = "auto"
 
@@ -40,6 +40,16 @@ class Given:
 def short(value: Any) -> str:
     """A short excerpt of ``repr(value)`` for messages."""
     return _excerpt(value, 60)
+
+
+def check_total(origin: str, total: int | None, micro: int | None, steps: int, world: int,
+                micro_name: str) -> None:
+    """DeepSpeed's rule: train batch = micro batch x accumulation steps x world size."""
+    if total is not None and micro is not None and total != micro * steps * world:
+        raise ConfigError(
+            f"{origin}: train_batch_size={total} must equal {micro_name} ({micro}) x "
+            f"gradient_accumulation_steps ({steps}) x world size ({world}) = "
+            f"{micro * steps * world}")
 
 
 def _autos(value: Any, where: str = "") -> Iterator[str]:
@@ -148,11 +158,10 @@ class _Resolver:
         said_total = cfg.get("train_batch_size")
         if said_total in (None, AUTO):
             cfg["train_batch_size"] = total
-        elif self.count("train_batch_size", said_total) != total:
-            raise self.fail(f"train_batch_size={short(said_total)} must equal "
-                            f"train_micro_batch_size_per_gpu ({cfg['train_micro_batch_size_per_gpu']})"
-                            f" x gradient_accumulation_steps ({steps}) x world size ({world}) = "
-                            f"{total}")
+        else:
+            check_total(self.origin, self.count("train_batch_size", said_total),
+                        cfg["train_micro_batch_size_per_gpu"], steps, world,
+                        "train_micro_batch_size_per_gpu")
 
     def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         block = self.cfg.get("optimizer")

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -266,6 +267,19 @@ class Stepper:
             return epoch + 1, 0, True
         return epoch, done, False
 
+    @contextlib.contextmanager
+    def naming_failures(self, state: TrainState, micro: int) -> Iterator[None]:
+        """A collective that timed out or lost a peer inside, raised as the
+        :class:`~shardwise.errors.CollectiveError` naming the step, micro-step and phase."""
+        try:
+            yield
+        except RuntimeError as exc:
+            failure = collective_failure(exc, f"optimizer step {state.step + 1} (micro-step "
+                                              f"{micro}), {self.phase}") if self.ranks > 1 else None
+            if failure is None:
+                raise
+            raise failure from exc
+
     def step(self, state: TrainState, batch: Any,
              on_nonfinite: OnNonFinite | None) -> tuple[TrainState, StepOutput]:
         if on_nonfinite is not None:
@@ -277,7 +291,7 @@ class Stepper:
             batch = to_device(batch, self.device)
         no_sync = None if boundary else self.engine.no_sync(self.model, state)
         self.phase = "forward and backward"
-        try:
+        with self.naming_failures(state, micro):
             if no_sync is None:
                 loss, total, weighted, losses = self.backward(state, batch)
             else:
@@ -287,12 +301,6 @@ class Stepper:
             if boundary:
                 norm, skipped = self.update(state, total, batches, losses,
                                             on_nonfinite or self.plan.on_nonfinite)
-        except RuntimeError as exc:  # a collective that timed out or lost a peer is named
-            failure = collective_failure(exc, f"optimizer step {state.step + 1} (micro-step "
-                                              f"{micro}), {self.phase}") if self.ranks > 1 else None
-            if failure is None:
-                raise
-            raise failure from exc
         next_state = TrainState(
             step=state.step + boundary, micro_step=micro, epoch=epoch,
             batch_in_epoch=batch_in_epoch, skipped_steps=state.skipped_steps + skipped,

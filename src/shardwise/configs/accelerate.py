@@ -62,7 +62,7 @@ def _block_settings(src: Source, block: dict[str, Any], precision: str) -> Setti
     return {name: s for name, s in values.items() if s is not None}
 
 
-def _config_file(src: Source, value: Any) -> Source:
+def config_file(src: Source, value: Any) -> Source:
     """The DeepSpeed JSON ``deepspeed_config_file`` names (relative to the YAML's folder)."""
     key = "deepspeed_config.deepspeed_config_file"
     path = Path(src.text(key, value))
@@ -89,7 +89,7 @@ def _deepspeed_block(src: Source, block: dict[str, Any], precision: str,
                            "supported)")
     settings = _block_settings(src, block, precision)
     if block.get("deepspeed_config_file") is not None:
-        inner = _config_file(src, block["deepspeed_config_file"])
+        inner = config_file(src, block["deepspeed_config_file"])
         try:
             theirs = read_json(inner)
         except ConfigError as exc:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 
 from shardwise._config_source import Shape, Source, short
+from shardwise._deepspeed_auto import check_total
 from shardwise.bundle import Bundle
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConfigError
@@ -252,16 +253,6 @@ def build(src: Source, settings: Settings, env: Env) -> list[Transform]:
 def deepspeed_transforms(src: Source, env: Env) -> list[Transform]:
     """Transforms for a DeepSpeed JSON config."""
     return build(src, read_json(src), env)
-
-
-def check_total(origin: str, total: int | None, micro: int | None, steps: int, world: int,
-                micro_name: str) -> None:
-    """DeepSpeed's rule: train batch = micro batch x accumulation steps x world size."""
-    if total is not None and micro is not None and total != micro * steps * world:
-        raise ConfigError(
-            f"{origin}: train_batch_size={total} must equal {micro_name} ({micro}) x "
-            f"gradient_accumulation_steps ({steps}) x world size ({world}) = "
-            f"{micro * steps * world}")
 
 
 @attrs.frozen(repr=False)

@@ -11,10 +11,10 @@ into DeepSpeed's keys over the file it names.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 from shardwise._config_source import Source, load_source
+from shardwise.configs.accelerate import config_file
 from shardwise.errors import ConfigError
 
 __all__ = ["engine_config"]
@@ -40,11 +40,8 @@ def _from_yaml(src: Source) -> dict[str, Any]:
     block = src.mapping("deepspeed_config", src.data.get("deepspeed_config"))
     config: dict[str, Any] = {}
     named = block.get("deepspeed_config_file")
-    if named is not None:
-        path = Path(src.text("deepspeed_config.deepspeed_config_file", named))
-        if not path.is_absolute() and src.base is not None:
-            path = src.base / path
-        config = copy.deepcopy(dict(load_source(path).data))
+    if named is not None:  # relative to the YAML's folder, as the native reader reads it
+        config = copy.deepcopy(dict(config_file(src, named).data))
     for key, target in _BLOCK.items():
         if block.get(key) is not None:
             _put(config, target, block[key])

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.data import to_device
-from shardwise.distributed import collective_failure
 from shardwise.engines.base import Engine, MemoryParts, state_bytes
 from shardwise.env import Env
 from shardwise.errors import CheckpointError, ConflictError, LossError, NonFiniteError
@@ -206,12 +205,9 @@ class DeepSpeedStepper(Stepper):
         if self.move:
             batch = to_device(batch, self.device)
         self.phase = "forward"
-        try:
-            if self.autocast is None:
-                loss, items = self.forward(batch)
-            else:
-                with self.autocast():
-                    loss, items = self.forward(batch)
+        with self.naming_failures(state, micro):
+            # no autocast: DeepSpeed converts the module itself (casts_parameters)
+            loss, items = self.forward(batch)
             if items is not None:
                 raise LossError("under deepspeed() loss_fn returns a mean loss: DeepSpeed divides "
                                 "each loss by its accumulation steps itself, so (loss_sum, "
@@ -225,12 +221,6 @@ class DeepSpeedStepper(Stepper):
             self.phase = "optimizer step" if boundary else "DeepSpeed step (no update)"
             skipped_before = ds.skipped_steps
             ds.step()
-        except RuntimeError as exc:  # a collective that timed out or lost a peer is named
-            failure = collective_failure(exc, f"optimizer step {state.step + 1} (micro-step "
-                                              f"{micro}), {self.phase}") if self.ranks > 1 else None
-            if failure is None:
-                raise
-            raise failure from exc
         skipped = boundary and ds.skipped_steps != skipped_before
         norm = None
         if boundary:

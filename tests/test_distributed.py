@@ -198,12 +198,12 @@ def nonfinite_and_groups():
                  "scale": torch.tensor(1.0)}
         poisoned = {**batch, "scale": torch.tensor(float("nan") if env.rank == 0 else 1.0)}
         state, _ = bundle.step(bundle.init(), batch)
-        try:
+        try:  # "raise" with fused AdamW: the next step reads the flag and raises
             state, skipped = bundle.step(state, poisoned)
+            state, _ = bundle.step(state, batch)
         except NonFiniteError as exc:
             out[mode] = str(exc)
             continue
-        state, _ = bundle.step(state, batch)
         out[mode] = (state.skipped_steps, state.step, skipped.stepped,
                      {k: v.clone() for k, v in module.state_dict().items()})
     return out
@@ -363,6 +363,7 @@ def nan_loss_on_rank_1(policy, parts):
     batch = (torch.randn(4, 8), torch.randn(4, 1))
     try:
         state, _ = bundle.step(bundle.init(), batch)
+        state = bundle.check(state)  # fused SGD (replicate) reads its flag late
         outcome = f"skipped {state.skipped_steps}"
     except NonFiniteError:
         outcome = "raised"

@@ -160,6 +160,12 @@ def test_clip_gradients_clips_and_returns_the_norm_before():
     assert max_param_diff(model, ref) <= 1e-6
 
 
+def checked_step(bundle, batch):
+    """One step from a fresh state, its finiteness check read (fused kernels read it late)."""
+    state, out = bundle.step(bundle.init(), batch)
+    return bundle.check(state), out
+
+
 def nan_batch():
     return torch.full((4, 8), float("nan")), torch.zeros(4, 1)
 
@@ -168,7 +174,26 @@ def test_non_finite_raises_naming_the_step_by_default():
     model, opt = mlp_and_sgd()
     bundle = sw.pipeline(ONE)(model, opt)
     state, _ = bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)))
-    with pytest.raises(NonFiniteError, match="at optimizer step 2 .micro-step 2.*on_nonfinite='skip'"):
+    after_first = copy.deepcopy(model)
+    # fused SGD skips the update on the device; the next step reads the flag and names it
+    state, _ = bundle.step(state, nan_batch())
+    assert max_param_diff(model, after_first) == 0.0
+    with pytest.raises(NonFiniteError, match="at optimizer step 2 .micro-step 2.*skipped on the "
+                       "device.*seen at micro-step 3.*on_nonfinite='skip'"):
+        bundle.step(state, (torch.randn(4, 8), torch.randn(4, 1)))
+    assert max_param_diff(model, after_first) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_non_finite_raises_at_once_without_a_fused_kernel():
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)  # an implementation chosen
+    bundle = sw.pipeline(ONE)(model, opt)
+    assert opt.param_groups[0]["fused"] is None
+    state, _ = bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)))
+    assert state.pending_check is None
+    with pytest.raises(NonFiniteError, match="at optimizer step 2 .micro-step 2.*nothing was "
+                       "applied.*on_nonfinite='skip'"):
         bundle.step(state, nan_batch())
 
 
@@ -247,7 +272,7 @@ def test_non_finite_gradient_with_a_finite_loss_is_caught():
 
     bundle = sw.pipeline(ONE)(model, opt, loss_fn=sqrt_at_zero)
     with pytest.raises(NonFiniteError, match="non-finite gradients at optimizer step 1"):
-        bundle.step(bundle.init(), torch.randn(2, 8))
+        checked_step(bundle, torch.randn(2, 8))
 
 
 def test_fp16_scaler_skips_overflowing_steps_and_counts_them():
@@ -365,7 +390,7 @@ def test_a_non_finite_loss_with_finite_gradients_is_caught_like_a_gradient(polic
     batch = (torch.randn(4, 8), torch.randn(4, 1))
     if policy == "raise":
         with pytest.raises(NonFiniteError, match="non-finite loss or item count"):
-            bundle.step(bundle.init(), batch)
+            checked_step(bundle, batch)
     else:
         state, out = bundle.step(bundle.init(), batch)
         assert state.skipped_steps == 1 and not out.stepped
@@ -384,5 +409,5 @@ def test_a_negative_or_non_finite_item_count_is_refused(count, error):
 
     bundle = sw.pipeline(ONE)(model, opt, loss_fn=counted)
     with pytest.raises(error):
-        bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)))
+        checked_step(bundle, (torch.randn(4, 8), torch.randn(4, 1)))
     assert max_param_diff(model, before) == 0.0

@@ -96,6 +96,24 @@ class Bundle:
         """
         return self._stepper.step(state, batch, on_nonfinite)
 
+    def check(self, state: TrainState) -> TrainState:
+        """Read the finiteness check ``step()`` left pending in ``state`` (see
+        :class:`~shardwise.state.PendingCheck`) and return the state without it.
+
+        Under ``on_nonfinite="raise"`` with torch's fused Adam/AdamW/SGD an optimizer step
+        skips a non-finite update on the device, and the next ``step()`` (or the last step of
+        an epoch, ``sw.save`` and ``sw.fit``) raises naming it. Call this after a loop you end
+        yourself mid-epoch, so that its last step is checked too.
+
+        Raises:
+            NonFiniteError: that step saw a non-finite loss or gradient; its update was not
+                applied.
+        """
+        if state.pending_check is None:
+            return state
+        self._stepper.settle(state.pending_check, state.micro_step)
+        return attrs.evolve(state, pending_check=None)
+
     @functools.cached_property
     def _stepper(self) -> Stepper:
         """Derived from the fields alone and holding no progress, so caching it is safe."""

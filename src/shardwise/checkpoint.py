@@ -93,6 +93,8 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     Raises:
         CheckpointError: mid-window state, unwritable directory or full disk (the previous
             checkpoint is left intact), or state that cannot be written safely.
+        NonFiniteError: the last optimizer step, checked late, was not finite (nothing is
+            written).
 
     Example:
         >>> sw.save("checkpoints", bundle, state, keep_last=3)
@@ -105,6 +107,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             "(after a step whose out.stepped is True; state.window_batches == 0)")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"save() 'keep_last' must be an integer >= 1 or None (got {keep_last!r})")
+    state = bundle.check(state)  # never save after a step whose check is still unread
     env, root = bundle.env, Path(directory)
     final, tmp = root / f"step_{state.step:08d}", root / f".tmp.step_{state.step:08d}"
     ok, problem = True, ""

@@ -157,6 +157,7 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
             if state.micro_step == before:
                 raise ArgumentError("fit(): bundle.loader yielded no batch in an epoch; check the "
                                     "dataset's length against the batch size and world size")
+        boundary = bundle.check(boundary)
         evaluate()
         checkpoint()
     except KeyboardInterrupt:

@@ -44,12 +44,14 @@ class MemoryEstimate:
     """Bytes one rank needs on its device. ``str()`` gives a table.
 
     Attributes:
-        params_bytes: fp32 master parameters at rest (this rank's shard when sharded), and
-            buffers.
+        params_bytes: fp32 master parameters at rest, and buffers; under ``shard()`` the
+            largest shard (rank 0's: FSDP2 pads every rank's storage to it, while the last
+            ranks of a large world may see fewer rows, or none, of a tensor).
         grads_bytes: gradients between backward and the optimizer step (unsharded while
             ``accumulate_gradients`` under ``shard()`` skips reduction, unless
             ``sync_each_batch``).
-        optimizer_bytes: optimizer state, from the optimizer's own state layout.
+        optimizer_bytes: optimizer state, from the optimizer's own state layout (of the
+            largest shard: the state of a rank's unpadded rows is less on the last ranks).
         activations_bytes: distinct tensors saved for backward for the sample batch, other
             than parameters (None: no batch, or the model cannot run on the meta device).
         working_bytes: parameters gathered for compute under shard (blocks in flight).

@@ -139,6 +139,12 @@ class Pipeline:
                          f"{SAFE_FRACTION:.0%} of device memory, else shard, else shard + "
                          "checkpoint_activations, else also offload; explain(model) shows it")
         lines.append(f"  non-finite loss/gradient in fp32/bf16: {self.on_nonfinite}")
+        if self.on_nonfinite == "raise":
+            lines.append("    torch's Adam/AdamW/SGD run their fused kernel where you chose no "
+                         "implementation: a non-finite step is skipped on the device and raised "
+                         "by the next step(), an epoch's last step, sw.save, sw.fit or "
+                         "bundle.check(state); no host sync per step (other optimizers read the "
+                         "flag at each optimizer step)")
         # where shardwise deliberately differs from Accelerate, explain() says so
         lines.append("  scheduler: steps once per optimizer step (an Accelerate-prepared one "
                      "steps once per process per optimizer step)")

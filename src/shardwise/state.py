@@ -11,7 +11,8 @@ import torch
 from shardwise._text import short
 from shardwise.errors import ArgumentError
 
-__all__ = ["TrainState", "StepOutput", "PROGRESS", "OnNonFinite", "check_on_nonfinite"]
+__all__ = ["TrainState", "StepOutput", "PendingCheck", "PROGRESS", "OnNonFinite",
+           "check_on_nonfinite"]
 
 #: What a non-finite loss or gradient does in fp32/bf16: raise, or skip the optimizer step.
 OnNonFinite = Literal["raise", "skip"]
@@ -19,6 +20,28 @@ _ON_NONFINITE = get_args(OnNonFinite)
 
 #: The fields of :class:`TrainState` a checkpoint saves.
 PROGRESS = ("step", "micro_step", "epoch", "batch_in_epoch", "skipped_steps")
+
+
+@attrs.frozen(eq=False)
+class PendingCheck:
+    """The finiteness flag of an optimizer step whose update was applied on the device,
+    skipped there if the flag was set, before the host read the flag.
+
+    ``flag`` is host memory (pinned, filled by a non-blocking copy on an accelerator; the
+    flag itself on a CPU) and ``ready`` the event that marks the copy done (None on a CPU),
+    so reading it waits for that step's check alone, never for work queued after it.
+    """
+
+    step: int
+    micro_step: int
+    flag: torch.Tensor
+    ready: Any = None
+
+    def failed(self) -> bool:
+        """Whether the step saw a non-finite loss or gradient (its update was not applied)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return bool(self.flag.item() != 0)
 
 
 @attrs.frozen
@@ -59,6 +82,9 @@ class TrainState:
     #: whether the model has run a synchronised backward in this process (DDP's static
     #: graph needs one before a ``no_sync`` micro-batch); not saved, it belongs to the wrapper
     synced: bool = attrs.field(default=False, eq=False)
+    #: the last optimizer step's finiteness check, not yet read on the host (see
+    #: :meth:`Bundle.check`); read by the next ``step()``, ``sw.save`` and ``sw.fit``
+    pending_check: PendingCheck | None = attrs.field(default=None, eq=False)
 
     def to_dict(self) -> dict[str, int]:
         """The progress counters as a JSON-ready dict (the window fields are not saved)."""

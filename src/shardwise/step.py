@@ -13,12 +13,13 @@ import torch.distributed as dist
 
 from shardwise import precision as precisions
 from shardwise.data import DeviceLoader, to_device
+from shardwise.device_skip import defer, ready_to_skip, skips_on_device
 from shardwise.distributed import collective_failure
 from shardwise.engines.base import Engine
 from shardwise.env import Env
 from shardwise.errors import LossError, NonFiniteError, OptimizerError
 from shardwise.plan import LossFn, Plan
-from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
+from shardwise.state import OnNonFinite, PendingCheck, StepOutput, TrainState, check_on_nonfinite
 
 __all__ = ["Stepper", "call_model", "predict"]
 
@@ -49,6 +50,11 @@ def _sum_and_count(result: tuple[Any, ...]) -> tuple[torch.Tensor, Any]:
                         "or (loss_sum, num_items) with a scalar loss_sum and a number or "
                         "one-element tensor num_items")
     return result[0], count
+
+
+def _nonfinite(step: int, micro: int) -> str:
+    return (f"non-finite gradients at optimizer step {step} (micro-step {micro}), or a "
+            "non-finite loss or item count in its window, on some rank; ")
 
 
 def call_model(model: torch.nn.Module, batch: Any) -> Any:
@@ -169,48 +175,42 @@ class Stepper:
         factor = (self.ranks / total).to(torch.float32)
         torch._foreach_mul_(grads, factor.to(grads[0].device) if grads else factor)
 
-    def check_grads(self, losses: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
-        """Clip when the plan says so; return (norm before clipping or None, whether the
-        gradients and the window's ``losses`` (their sum) are all finite).
+    def check_grads(self, losses: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Clip when the plan says so; return (norm before clipping or None, a flag on the
+        device: nonzero when a gradient or the window's ``losses`` (their sum) is not finite).
 
-        Without clipping only finiteness is needed, and torch's fused check (the one
-        GradScaler uses, with a scale of 1) gives it in one call, the losses' sum included.
-        Reading the flag is the one host sync of an optimizer step. Replicated gradients are
-        the same on every rank, and for sharded ones the check reduces the flag over the
-        mesh; a loss differs per rank, so with several ranks its flag is reduced too (one
-        small all-reduce), and all ranks agree.
+        Nothing is read on the host. Without clipping torch's fused check (the one GradScaler
+        uses, with a scale of 1) gives finiteness in one call, the losses' sum included. With
+        several ranks the flag is reduced once over all of them (MAX): a loss differs per
+        rank, and so does a shard's gradient; so all ranks agree.
         """
         plan = self.plan
-        flag = None
-        if self.ranks > 1:
-            flag = (~torch.isfinite(losses)).to(torch.float32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if plan.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, plan.max_grad_norm,
                                                   norm_type=plan.norm_type)
             norm = self.engine.full(norm)
-            bad = ~torch.isfinite(losses.to(norm.device)) if flag is None else \
-                flag.to(norm.device) > 0
-            check = torch.where(bad, torch.nan, norm)
-            return norm, bool(torch.isfinite(check).item())
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return None, bool(torch.isfinite(losses).item()) if flag is None else flag.item() == 0
-        device = self.engine.local(grads[0]).device
+            flag = (~torch.isfinite(norm)).to(torch.float32) + \
+                (~torch.isfinite(losses)).to(norm.device, torch.float32)
+            if self.ranks > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return norm, flag
+        # this rank's part of each gradient: one reduction below serves shards and losses
+        grads = [self.engine.local(p.grad) for p in self.params if p.grad is not None]
+        device = grads[0].device if grads else losses.device
         if device not in self.scratch:
             self.scratch[device] = (torch.zeros((), device=device), torch.ones((), device=device))
-        found_inf, unit = self.scratch[device]
-        found_inf.zero_()
-        # on sharded (DTensor) gradients torch reduces the flag over the mesh: all ranks agree
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, unit)
-        if flag is not None:
-            found_inf.add_(flag.to(device))
-        elif losses.device == device and losses.is_floating_point():
-            # one process: the losses' sum joins the same check (scaled by 1, unchanged)
-            torch._amp_foreach_non_finite_check_and_unscale_([losses.float()], found_inf, unit)
+        unit = self.scratch[device][1]
+        flag = torch.zeros((), device=device)  # new each step: a pending check keeps it
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, unit)
+        if losses.device == device and losses.is_floating_point():
+            # the losses' sum joins the same check (scaled by 1, unchanged)
+            torch._amp_foreach_non_finite_check_and_unscale_([losses.float()], flag, unit)
         else:
-            found_inf.add_((~torch.isfinite(losses)).to(device, torch.float32))
-        return None, found_inf.item() == 0
+            flag.add_((~torch.isfinite(losses)).to(device, torch.float32))
+        if self.ranks > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return None, flag
 
     def rescale(self, factor: float) -> None:
         """Multiply the gradients by ``factor`` (a window that closed early)."""
@@ -219,10 +219,15 @@ class Stepper:
             torch._foreach_mul_(grads, factor)
 
     def update(self, state: TrainState, total: torch.Tensor | None, batches: int,
-               losses: torch.Tensor,
-               on_nonfinite: OnNonFinite) -> tuple[torch.Tensor | None, bool]:
+               losses: torch.Tensor, on_nonfinite: OnNonFinite, read_now: bool
+               ) -> tuple[torch.Tensor | None, bool, PendingCheck | None]:
         """Finish a window of ``batches`` micro-batches: normalise, unscale, clip, step.
-        Returns (norm, skipped)."""
+        Returns (norm, skipped, the check left to read later or None).
+
+        Under "raise", with an optimizer that skips on the device (torch's fused kernels),
+        the flag goes to the optimizer and is read later, unless ``read_now`` (an epoch's
+        last step); "skip", fp16 and other optimizers read it here, one host sync.
+        """
         optimizer = self.optimizer
         stepping = self.engine.stepping_optimizer(optimizer)
         if self.scaler is not None:
@@ -233,9 +238,20 @@ class Stepper:
         elif batches < self.window:  # each loss was divided by the full window
             self.rescale(self.window / batches)
         self.phase = "finiteness check and clipping (all-reduce)"
-        norm, finite = self.check_grads(losses)
-        skipped = not finite
+        norm, flag = self.check_grads(losses)
         self.phase = "optimizer step"
+        if (not read_now and on_nonfinite == "raise" and self.scaler is None
+                and skips_on_device(stepping) and ready_to_skip(stepping)):
+            stepping.found_inf = flag  # type: ignore[attr-defined]
+            try:
+                stepping.step()
+            finally:
+                del stepping.found_inf  # type: ignore[attr-defined]
+            if self.scheduler is not None:
+                self.scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            return norm, False, defer(flag, state.step + 1, state.micro_step + 1)
+        finite = flag.item() == 0
         if self.scaler is not None:  # fp16: the scaler's skip, never an error
             if finite:
                 self.scaler.step(stepping)
@@ -244,15 +260,25 @@ class Stepper:
             stepping.step()
         elif on_nonfinite == "raise":
             optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(
-                f"non-finite gradients at optimizer step {state.step + 1} "
-                f"(micro-step {state.micro_step + 1}), or a non-finite loss or item count in "
-                "its window, on some rank; nothing was applied. Pass on_nonfinite='skip' to "
-                "skip such steps, or lower the learning rate / add clip_gradients")
-        if not skipped and self.scheduler is not None:
+            raise NonFiniteError(_nonfinite(state.step + 1, state.micro_step + 1)
+                                 + "nothing was applied. Pass on_nonfinite='skip' to skip such "
+                                 "steps, or lower the learning rate / add clip_gradients")
+        if finite and self.scheduler is not None:
             self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        return norm, skipped
+        return norm, not finite, None
+
+    def settle(self, pending: PendingCheck, micro: int) -> None:
+        """Read an earlier step's check; raise if that step was not finite (its update was
+        skipped on the device), after clearing the gradients this call accumulated."""
+        if pending.failed():
+            self.optimizer.zero_grad(set_to_none=True)
+            stepped = " (the scheduler had stepped)" if self.scheduler is not None else ""
+            raise NonFiniteError(
+                _nonfinite(pending.step, pending.micro_step) + "its update was skipped on the "
+                f"device, parameters and optimizer state are as before it{stepped}; seen at "
+                f"micro-step {micro}. Pass on_nonfinite='skip' to skip such "
+                "steps, or lower the learning rate / add clip_gradients")
 
     def position(self, state: TrainState) -> tuple[int, int, bool]:
         """The data position after this batch, and whether it ended an epoch: one batch on
@@ -297,10 +323,14 @@ class Stepper:
             else:
                 with no_sync():
                     loss, total, weighted, losses = self.backward(state, batch)
-            norm, skipped = None, False
+            # read after this call's work is queued: the device has long finished that check
+            if state.pending_check is not None:
+                self.settle(state.pending_check, micro)
+            norm, skipped, pending = None, False, None
             if boundary:
-                norm, skipped = self.update(state, total, batches, losses,
-                                            on_nonfinite or self.plan.on_nonfinite)
+                norm, skipped, pending = self.update(
+                    state, total, batches, losses, on_nonfinite or self.plan.on_nonfinite,
+                    read_now=epoch_end)
         next_state = TrainState(
             step=state.step + boundary, micro_step=micro, epoch=epoch,
             batch_in_epoch=batch_in_epoch, skipped_steps=state.skipped_steps + skipped,
@@ -308,7 +338,7 @@ class Stepper:
             window_items=None if boundary else total,
             window_weighted=None if boundary else weighted,
             window_losses=None if boundary else losses,
-            synced=state.synced or no_sync is None)
+            synced=state.synced or no_sync is None, pending_check=pending)
         lr = self.optimizer.param_groups[0].get("lr")
         return next_state, StepOutput(loss=loss, grad_norm=norm, stepped=boundary and not skipped,
                                       lr=lr)

@@ -95,8 +95,7 @@ class Shard(Distribution):
         """The engine this transform puts in the bundle (settings only, nothing is built)."""
         if not env.is_distributed:
             return LocalEngine()
-        ranks = env.local_world_size if self.replicate_across_nodes else env.world_size
-        return FSDPEngine(world_size=env.world_size, shard_ranks=ranks, policy=self.policy,
+        return FSDPEngine(world_size=env.world_size, shard_ranks=self.shard_ranks(env), policy=self.policy,
                           reshard_after_forward=self.reshard_after_forward,
                           sync_each_batch=self.sync_each_batch, offload=plan.offload)
 
@@ -134,11 +133,20 @@ class Shard(Distribution):
         rebind_optimizer(bundle.optimizer, names, model)
         return attrs.evolve(bundle, engine=self.engine(env, plan))
 
+    def shard_ranks(self, env: Env) -> int:
+        """How many ranks each parameter is split over: the last dimension of the mesh
+        (FSDP2 replicates over the first of a 2-D one)."""
+        if self.mesh is not None:
+            return int(self.mesh.shape[-1])
+        return env.local_world_size if self.replicate_across_nodes else env.world_size
+
     def describe(self, env: Env) -> str:
         if not env.is_distributed:
             return "one process: nothing to shard, no wrapper"
-        layout = (f"hybrid: replicated over {env.num_nodes} nodes, sharded over "
-                  f"{env.local_world_size} ranks each" if self.replicate_across_nodes
+        ranks = self.shard_ranks(env)
+        groups = "nodes" if self.replicate_across_nodes else "groups"
+        layout = (f"hybrid: replicated over {env.world_size // ranks} {groups}, sharded over "
+                  f"{ranks} ranks each" if ranks < env.world_size
                   else f"sharded over {env.world_size} ranks")
         zero = "ZeRO-3 (reshard after forward)" if self.reshard_after_forward else \
             "ZeRO-2 (keep parameters gathered between forward and backward)"

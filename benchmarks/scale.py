@@ -1,0 +1,181 @@
+# Per-rank state of Llama-7B/70B shapes sharded over 8 to 1024 simulated ranks, beside estimate_memory.
+"""Parameters, gradients and optimizer state one rank holds under ``shard()`` (FSDP and
+HSDP) at world sizes this machine cannot run, simulated in one process, against
+``sw.estimate_memory`` for the same pipeline and env.
+
+Simulated: the model is built on the meta device (nothing allocated), torch's fake process
+group stands in for ``world_size`` ranks (this process is one of them: rank 0, which holds
+the largest shards, or with ``--rank last`` the last rank), and the real ``sw.pipeline``
+with ``sw.shard()`` applies FSDP2's ``fully_shard`` block by block. Each parameter then is
+a DTensor whose local shard is this rank's; its gradient is a zero tensor of the same
+shard (what FSDP2's reduce-scatter leaves), and one AdamW step creates the optimizer state
+for each shard. Bytes are counted from the local shards (``DTensor.to_local()``), plus the
+buffers FSDP2 leaves whole. HSDP: ``shard(replicate_across_nodes=True)`` with 8 ranks per
+node, a (nodes x 8) mesh.
+
+Real: a tiny Llama (dims that do not divide evenly, so shards differ) trained for one step
+on 2 gloo ranks; its state is counted after the step and one more backward (parameters,
+gradients and optimizer state all held at once), as ``memory_table.py`` does.
+
+    OMP_NUM_THREADS=1 python benchmarks/scale.py [--sizes 8 64 256 1024] [--models 7B 70B]
+        [--rank first|last] [--no-real] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import shardwise as sw
+from shardwise.testing import run_distributed
+
+MIB = 2**20
+NODE = 8  # ranks per node under HSDP
+SHAPES = {
+    "7B": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32, intermediate_size=11008, vocab_size=32000),
+    "70B": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, intermediate_size=28672, vocab_size=32000),
+    # the real 2-rank run: odd dims, so the two ranks' shards differ and FSDP2 pads
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=171, vocab_size=251),
+}
+PARTS = ("params", "grads", "optimizer")
+
+
+def llama(shape: str) -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(**SHAPES[shape]))
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters (and buffers), gradients and optimizer state."""
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": sum(map(local_bytes, params)) + sum(map(local_bytes, model.buffers())),
+            "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(map(local_bytes, state))}
+
+
+def estimated(model: torch.nn.Module, parts: list[sw.Transform], env: sw.Env,
+              optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    est = sw.estimate_memory(model, parts, env, optimizer=optimizer)
+    return {"params": est.params_bytes, "grads": est.grads_bytes,
+            "optimizer": est.optimizer_bytes}
+
+
+def simulate(shape: str, world: int, hsdp: bool, last: bool,
+             own_mesh: bool = False) -> dict[str, Any]:
+    """One rank of a ``world``-rank job under shard() (HSDP: NODE ranks per node, or the
+    same 2-D mesh passed as ``shard(mesh=...)`` with ``own_mesh``), on meta."""
+    local = NODE if hsdp else world
+    rank = world - 1 if last else 0
+    env = sw.Env(world_size=world, rank=rank, local_rank=rank % local, local_world_size=local,
+                 node_rank=rank // local, num_nodes=world // local, backend="fake")
+    with torch.device("meta"):
+        model = llama(shape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        shard = (sw.shard(mesh=init_device_mesh("cpu", (world // NODE, NODE),
+                                                mesh_dim_names=("replicate", "shard")))
+                 if own_mesh else sw.shard(replicate_across_nodes=hsdp))
+        parts = [shard, sw.mixed_precision("bf16")]
+        estimate = estimated(model, parts, env, optimizer)  # before sharding: the user's model
+        bundle = sw.pipeline(env, *parts)(model, optimizer)
+        for p in bundle.model.parameters():
+            p.grad = torch.zeros_like(p)  # the sharded gradient the reduce-scatter leaves
+        optimizer.step()  # AdamW's state for each shard, on the meta device
+        simulated = held(bundle.model, optimizer)
+    finally:
+        dist.destroy_process_group()
+    mesh = (f"HSDP {world // NODE}x{NODE}" + (" (mesh=)" if own_mesh else "")) if hsdp \
+        else f"FSDP {world}"
+    return {"model": f"Llama-{shape}", "ranks": world, "rank": rank, "mesh": mesh,
+            "simulated": simulated, "estimate": estimate}
+
+
+def two_ranks() -> dict[str, Any]:
+    """Run in each of 2 gloo ranks: one step of the tiny Llama under shard(), then a backward."""
+    torch.manual_seed(0)
+    model = llama("tiny")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    env, parts = sw.detect(), [sw.shard()]
+    estimate = estimated(model, parts, env, optimizer)
+    bundle = sw.pipeline(env, *parts)(model, optimizer)
+    ids = torch.randint(0, SHAPES["tiny"]["vocab_size"], (4, 32),
+                        generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    state, _ = bundle.step(bundle.init(), batch)
+    bundle.model(**batch).loss.backward()  # gradients held again, beside the optimizer state
+    return {"model": "Llama-tiny (real, gloo)", "ranks": env.world_size, "rank": env.rank,
+            "mesh": f"FSDP {env.world_size}", "simulated": held(bundle.model, optimizer),
+            "estimate": estimate}
+
+
+def ratios(row: dict[str, Any]) -> dict[str, float]:
+    """estimate / held, for each part and for their sum."""
+    sim, est = row["simulated"], row["estimate"]
+    out = {part: est[part] / sim[part] for part in PARTS}
+    out["total"] = sum(est.values()) / sum(sim.values())
+    return out
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / MIB:,.2f}" if nbytes >= MIB else f"{nbytes / MIB:.4f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | ranks | mesh | rank | params MiB | grads MiB | optimizer MiB | "
+             "estimate MiB | estimate / held (p / g / o) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        sim, r = row["simulated"], ratios(row)
+        lines.append(
+            f"| {row['model']} | {row['ranks']} | {row['mesh']} | {row['rank']} | "
+            + " | ".join(mib(sim[p]) for p in PARTS)
+            + f" | {mib(sum(row['estimate'].values()))} | {r['total']:.4f} "
+            f"({r['params']:.4f} / {r['grads']:.4f} / {r['optimizer']:.4f}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256, 1024])
+    parser.add_argument("--models", nargs="+", choices=["7B", "70B"], default=["7B", "70B"])
+    parser.add_argument("--rank", choices=["first", "last"], default="first",
+                        help="the rank simulated: first (largest shards) or last")
+    parser.add_argument("--no-hsdp", action="store_true", help="FSDP only")
+    parser.add_argument("--own-mesh", action="store_true",
+                        help="also HSDP through shard(mesh=<a 2-D DeviceMesh>)")
+    parser.add_argument("--no-real", action="store_true", help="skip the real 2-rank run")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    rows = []
+    for shape in args.models:
+        for world in args.sizes:
+            rows.append(simulate(shape, world, hsdp=False, last=args.rank == "last"))
+            if not args.no_hsdp and world > NODE and world % NODE == 0:
+                rows.append(simulate(shape, world, hsdp=True, last=args.rank == "last"))
+                if args.own_mesh:
+                    rows.append(simulate(shape, world, hsdp=True, last=args.rank == "last",
+                                         own_mesh=True))
+    if not args.no_real:
+        rows += run_distributed(two_ranks, world_size=2, timeout=300)
+    print(json.dumps(rows) if args.json else table(rows))
+
+
+if __name__ == "__main__":
+    main()

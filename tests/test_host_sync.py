@@ -1,0 +1,210 @@
+# The default step reads nothing on the host it has just computed; a late check still names the step.
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import shardwise as sw
+from shardwise.errors import NonFiniteError
+from shardwise.testing import (
+    SyntheticRegression,
+    SyntheticTokens,
+    TinyMLP,
+    TinyTransformerLM,
+    full_state,
+    max_param_diff,
+    run_distributed,
+)
+
+from conftest import ONE
+
+#: every way a tensor's value reaches Python: on an accelerator each waits for the device
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@contextlib.contextmanager
+def counting_reads():
+    """Record (how, tensor) for every host read of a tensor's value inside."""
+    seen: list[tuple[str, torch.Tensor]] = []
+    saved = {name: torch.Tensor.__dict__.get(name) for name in READS}
+
+    def recording(name, read):
+        def reader(self, *args, **kwargs):
+            seen.append((name, self))
+            return read(self, *args, **kwargs)
+        return reader
+
+    for name in READS:
+        setattr(torch.Tensor, name, recording(name, getattr(torch.Tensor, name)))
+    try:
+        yield seen
+    finally:
+        for name, own in saved.items():
+            if own is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, own)
+
+
+def reads_per_call(bundle, batches, **step_kwargs):
+    """For each step() call: (optimizer stepped, reads of the previous step's pending flag,
+    other reads)."""
+    state, calls = bundle.init(), []
+    for batch in batches:
+        pending = state.pending_check
+        with counting_reads() as seen:
+            state, out = bundle.step(state, batch, **step_kwargs)
+        late = sum(1 for _, t in seen if pending is not None and t is pending.flag)
+        calls.append((out.stepped, late, len(seen) - late))
+    return calls, bundle.check(state)
+
+
+def token_batches(n, seed=0):
+    data = SyntheticTokens(size=4 * n, seq_len=8, vocab=64, seed=seed)
+    return list(DataLoader(data, batch_size=4))
+
+
+def lm_and_adamw():
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=64, dim=16, heads=2, layers=2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_the_default_step_reads_only_the_previous_steps_flag():
+    model, opt = lm_and_adamw()
+    bundle = sw.pipeline(ONE, sw.accumulate_gradients(2))(model, opt)
+    assert opt.param_groups[0]["fused"] is True
+    calls, state = reads_per_call(bundle, token_batches(8))
+    assert state.step == 4 and [c[0] for c in calls] == [False, True] * 4
+    # micro-steps: nothing; each call after an optimizer step: that step's flag, once
+    assert [c[2] for c in calls] == [0] * 8
+    assert [c[1] for c in calls] == [0, 0, 1, 0, 1, 0, 1, 0]
+
+
+def test_the_counter_sees_a_read_where_one_happens():
+    # "skip" decides on the host at the step: the same counter must see that read
+    model, opt = lm_and_adamw()
+    bundle = sw.pipeline(ONE, on_nonfinite="skip")(model, opt)
+    calls, _ = reads_per_call(bundle, token_batches(3))
+    assert [c[2] for c in calls] == [1, 1, 1]
+    # so does an optimizer whose implementation the user chose (SGD's for-loop reads nothing
+    # itself; torch's for-loop and foreach AdamW read each parameter's step count too)
+    model, _ = lm_and_adamw()
+    bundle = sw.pipeline(ONE)(model, torch.optim.SGD(model.parameters(), lr=0.1, foreach=False))
+    calls, _ = reads_per_call(bundle, token_batches(3))
+    assert [c[2] for c in calls] == [1, 1, 1]
+
+
+def test_clipping_reads_nothing_either():
+    model, opt = lm_and_adamw()
+    bundle = sw.pipeline(ONE, sw.clip_gradients(0.1))(model, opt)
+    calls, _ = reads_per_call(bundle, token_batches(4))
+    assert [c[2] for c in calls] == [0] * 4 and [c[1] for c in calls] == [0, 1, 1, 1]
+
+
+def test_sgd_with_momentum_reads_its_first_step_until_buffers_exist():
+    # torch's fused SGD leaves new momentum buffers uninitialised when it skips
+    torch.manual_seed(0)
+    model = TinyMLP()
+    bundle = sw.pipeline(ONE)(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    batches = list(DataLoader(SyntheticRegression(size=16), batch_size=4))
+    calls, _ = reads_per_call(bundle, batches)
+    assert [c[2] for c in calls] == [1, 0, 0, 0]
+
+
+def nan_loss(model, batch):
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"])["loss"]
+    return loss * batch["scale"]
+
+
+def scaled(batches, bad_at):
+    return [{**b, "scale": torch.tensor(float("nan") if i == bad_at else 1.0)}
+            for i, b in enumerate(batches)]
+
+
+def test_a_late_check_names_the_step_and_leaves_parameters_and_optimizer_untouched():
+    model, opt = lm_and_adamw()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    bundle = sw.pipeline(ONE)(model, opt, scheduler=sched, loss_fn=nan_loss)
+    batches = scaled(token_batches(4), bad_at=2)
+    state = bundle.init()
+    for batch in batches[:2]:
+        state, _ = bundle.step(state, batch)
+    weights, moments = full_state(model), copy.deepcopy(opt.state_dict()["state"])
+    state, out = bundle.step(state, batches[2])  # the NaN step: skipped on the device
+    assert state.pending_check is not None and state.pending_check.step == 3
+    assert max_param_diff(model, weights) == 0.0
+    assert all(torch.equal(moments[i][k], v) for i, s in opt.state_dict()["state"].items()
+               for k, v in s.items())
+    with pytest.raises(NonFiniteError, match=r"optimizer step 3 \(micro-step 3\).*skipped on the "
+                       r"device.*\(the scheduler had stepped\); seen at micro-step 4"):
+        bundle.step(state, batches[3])
+    assert max_param_diff(model, weights) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_last_step_of_a_loop_is_checked_by_save_fit_and_check(tmp_path):
+    model, opt = lm_and_adamw()
+    bundle = sw.pipeline(ONE)(model, opt, loss_fn=nan_loss)
+    state = bundle.init()
+    for batch in scaled(token_batches(3), bad_at=2):
+        state, _ = bundle.step(state, batch)
+    with pytest.raises(NonFiniteError, match="optimizer step 3 "):
+        sw.save(tmp_path / "ckpt", bundle, state)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    with pytest.raises(NonFiniteError, match="optimizer step 3 "):
+        bundle.check(state)
+    # sw.fit checks its last step before it evaluates and saves
+    model, opt = lm_and_adamw()
+    loader = scaled(token_batches(3), bad_at=2)
+    bundle = sw.pipeline(ONE)(model, opt, loader, loss_fn=nan_loss)
+    with pytest.raises(NonFiniteError, match="optimizer step 3 "):
+        sw.fit(bundle, steps=3, checkpoint_dir=tmp_path / "fit", progress=False)
+    assert not (tmp_path / "fit").exists() or not any((tmp_path / "fit").glob("step_*"))
+
+
+def test_an_epochs_last_step_is_checked_at_once():
+    model, opt = lm_and_adamw()
+    loader = DataLoader(scaled(token_batches(3), bad_at=2), batch_size=None)
+    bundle = sw.pipeline(ONE)(model, opt, loader, loss_fn=nan_loss)
+    state, seen = bundle.init(), 0
+    with pytest.raises(NonFiniteError, match=r"optimizer step 3 \(micro-step 3\).*nothing was "
+                       "applied"):
+        for batch in bundle.loader:
+            state, _ = bundle.step(state, batch)
+            seen += 1
+    assert seen == 2
+
+
+def ranks_reads(parts):
+    """On each rank: reads per call of the default step under ``parts``, and the same run
+    with a NaN loss on rank 1 alone at step 2 (what raised, weights untouched)."""
+    model, opt = lm_and_adamw()
+    bundle = sw.pipeline(sw.detect(), *parts)(model, opt)
+    calls, _ = reads_per_call(bundle, token_batches(4, seed=bundle.env.rank))
+    model, opt = lm_and_adamw()
+    bundle = sw.pipeline(sw.detect(), *parts)(model, opt, loss_fn=nan_loss)
+    rank = bundle.env.rank
+    batches = [{**b, "scale": torch.tensor(float("nan") if i == 1 and rank == 1 else 1.0)}
+               for i, b in enumerate(token_batches(3, seed=rank))]
+    state, _ = bundle.step(bundle.init(), batches[0])
+    weights = full_state(bundle.model)
+    state, _ = bundle.step(state, batches[1])
+    try:
+        bundle.step(state, batches[2])
+        raised = ""
+    except NonFiniteError as exc:
+        raised = str(exc)
+    return calls, raised, max_param_diff(full_state(bundle.model), weights)
+
+
+@pytest.mark.parametrize("parts", [[sw.replicate()], [sw.shard(sw.by_class("TinyDecoderBlock"))]],
+                         ids=["replicate", "shard"])
+def test_two_ranks_read_nothing_they_just_computed_and_agree_on_a_late_raise(parts):
+    for calls, raised, moved in run_distributed(ranks_reads, parts, world_size=2):
+        assert [c[2] for c in calls] == [0, 0, 0, 0]
+        assert [c[1] for c in calls] == [0, 1, 1, 1]
+        assert "optimizer step 2 (micro-step 2)" in raised and "seen at micro-step 3" in raised
+        assert moved == 0.0

@@ -1,0 +1,59 @@
+# estimate_memory against FSDP2's real shards: Llama-7B at 8 and 64 simulated ranks, and 2 real ranks.
+"""``benchmarks/scale.py`` run in a subprocess (its fake process groups never meet this
+process's): per-rank parameter, gradient and optimizer bytes of Llama-7B under shard()
+at 8 and 64 ranks and HSDP 8x8, simulated on the meta device, and of a tiny Llama on 2
+gloo ranks; ``sw.estimate_memory`` must be within 10% of each."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scale.py"
+PARTS = ("params", "grads", "optimizer")
+LLAMA_7B_PARAMS = 6_738_415_616
+
+
+@pytest.fixture(scope="module")
+def rows():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "8", "64", "--models", "7B",
+                           "--own-mesh", "--json"], capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def by_mesh(rows, mesh):
+    return next(r for r in rows if r["mesh"] == mesh and "7B" in r["model"])
+
+
+def within(estimate, held, tolerance=0.10):
+    return abs(estimate / held - 1) <= tolerance
+
+
+@pytest.mark.parametrize("mesh,shard_ranks", [("FSDP 8", 8), ("FSDP 64", 64), ("HSDP 8x8", 8),
+                                              ("HSDP 8x8 (mesh=)", 8)])
+def test_estimate_matches_simulated_shards(rows, mesh, shard_ranks):
+    row = by_mesh(rows, mesh)
+    held, est = row["simulated"], row["estimate"]
+    # the simulation itself: every Llama-7B dim divides by 8 and 64, so a rank holds 1/n
+    assert held["grads"] == LLAMA_7B_PARAMS * 4 // shard_ranks
+    assert 0 < held["params"] - held["grads"] <= 1024  # the RoPE buffers, left whole
+    assert held["optimizer"] == pytest.approx(2 * held["grads"], rel=1e-4)  # exp_avg, exp_avg_sq
+    for part in PARTS:
+        assert within(est[part], held[part]), (mesh, part, est[part], held[part])
+
+
+def test_estimate_matches_two_real_ranks(rows):
+    real = sorted((r for r in rows if "real" in r["model"]), key=lambda r: r["rank"])
+    assert [r["rank"] for r in real] == [0, 1]
+    # vocab 251 and intermediate 171 split unevenly: rank 1 holds less, FSDP2 pads to rank 0's
+    assert real[0]["simulated"]["params"] > real[1]["simulated"]["params"]
+    for row in real:
+        held, est = row["simulated"], row["estimate"]
+        assert held["grads"] > 0 and held["optimizer"] > held["grads"]
+        for part in PARTS:
+            assert within(est[part], held[part]), (row["rank"], part, est[part], held[part])

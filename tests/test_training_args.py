@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import shardwise as sw
-from shardwise.configs.training_args import ARGUMENTS, DEFAULTS, PerDeviceBatch
+from shardwise.configs.training_args import ARGUMENTS, DEFAULTS, per_device_batch
 from shardwise.errors import ConfigError
 from shardwise.testing import SyntheticTokens, TinyTransformerLM, full_state, run_distributed
 
@@ -84,7 +84,7 @@ def test_trainer_defaults_become_fp32_clipping_at_one_and_the_trainers_loop(tmp_
     assert got["ClipGradients"] == sw.clip_gradients(1.0)
     assert got["Replicate"] == sw.replicate()
     assert got["DistributeData"] == sw.distribute_data(seed=42, non_blocking=False)
-    assert got["PerDeviceBatch"] == PerDeviceBatch(8)
+    assert got["BatchCheck"] == per_device_batch(8)
     assert "AccumulateGradients" not in got
     assert dict(pipe.fit_options) == {"epochs": 3, "log_every": 500, "checkpoint_dir":
                                       str(tmp_path), "checkpoint_every": 500, "progress": True,
@@ -113,7 +113,7 @@ def test_each_distributed_argument_becomes_its_transform(tmp_path):
     assert got["MixedPrecision"] == sw.mixed_precision("fp16")
     assert got["AccumulateGradients"] == sw.accumulate_gradients(3)
     assert got["ClipGradients"] == sw.clip_gradients(0.5)
-    assert got["PerDeviceBatch"] == PerDeviceBatch(2)
+    assert got["BatchCheck"] == per_device_batch(2)
     assert pipe.env.backend == "gloo"
     options = dict(pipe.fit_options)
     assert options["steps"] == 40 and "epochs" not in options and "checkpoint_dir" not in options

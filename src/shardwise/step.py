@@ -209,6 +209,7 @@ class Stepper:
         else:
             flag.add_((~torch.isfinite(losses)).to(device, torch.float32))
         if self.ranks > 1:
+            flag = flag.to(self.device)  # offloaded gradients: the backend's device (NCCL)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return None, flag
 

@@ -257,33 +257,38 @@ def deepspeed_transforms(src: Source, env: Env) -> list[Transform]:
 
 @attrs.frozen(repr=False)
 class BatchCheck(Transform):
-    """DeepSpeed's batch sizes against the bundle's loader, when the pipeline is called:
-    ``"auto"`` sizes are taken from the loader, given ones must match it."""
+    """A config's batch sizes against the bundle's loader, when the pipeline is called: the
+    per-rank micro batch (DeepSpeed's ``train_micro_batch_size_per_gpu``, Transformers'
+    ``per_device_train_batch_size``) must be the loader's ``batch_size`` (None: taken from
+    it, DeepSpeed's ``"auto"``), and DeepSpeed's ``train_batch_size`` its product with the
+    accumulation steps and world size."""
 
-    origin: str
+    origin: str = attrs.field(eq=False)
     micro: int | None
-    total: int | None
-    steps: int
+    total: int | None = None
+    steps: int = 1
     micro_key: str = "train_micro_batch_size_per_gpu"
     stage: ClassVar[Stage] = Stage.DATA
-    factory_name: ClassVar[str] = "deepspeed_batch_check"
+    factory_name: ClassVar[str] = "batch_check"
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         size = getattr(bundle.loader, "batch_size", None)
         micro = self.micro if self.micro is not None else size
         if self.micro is not None and size is not None and size != self.micro:
-            auto = ' or set it to "auto"' if self.micro_key.startswith("train_") else ""
+            auto = ' or "auto"' if self.micro_key.startswith("train_") else ""
             raise ConfigError(f"{self.origin}: {self.micro_key}={self.micro} but the loader's "
-                              f"batch_size is {size}; make them equal{auto}")
+                              f"batch_size is {size}; build the DataLoader with "
+                              f"batch_size={self.micro}, or set {self.micro_key} to {size}{auto}")
         check_total(self.origin, self.total, micro, self.steps, bundle.env.world_size,
                     "the micro batch")
         return bundle
 
     def describe(self, env: Env) -> str:
         micro = self.micro if self.micro is not None else "the loader's batch_size"
-        return (f"DeepSpeed batch sizes checked against the loader: micro {micro}, "
-                f"accumulation {self.steps}, total {self.total or 'auto'}")
+        total = (f", accumulation {self.steps}, total {self.total or 'auto'}"
+                 if self.micro_key.startswith("train_") else "")
+        return f"the loader's batch_size checked against {self.micro_key}: {micro}{total}"
 
 
 def _batch_check(settings: Settings, steps: int, env: Env) -> BatchCheck | None:

@@ -13,19 +13,18 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 
 from shardwise._config_source import Source, load_source, short
-from shardwise.bundle import Bundle
 from shardwise.configs import ddp_settings
-from shardwise.configs.deepspeed import Said, build, merge, read_json
+from shardwise.configs.deepspeed import BatchCheck, Said, build, merge, read_json
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env, detect
 from shardwise.errors import ConfigError
 from shardwise.transforms.accumulate_gradients import accumulate_gradients
-from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.base import Transform
 from shardwise.transforms.checkpoint_activations import CheckpointActivations, checkpoint_activations
 from shardwise.transforms.clip_gradients import clip_gradients
 from shardwise.transforms.distribute_data import distribute_data
@@ -177,27 +176,10 @@ _FSDP_OPTIONS = {"full_shard": ("reshard_after_forward", True),
 _FILLED = {"min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
 
 
-@attrs.frozen(repr=False)
-class PerDeviceBatch(Transform):
+def per_device_batch(size: int, origin: str = "TrainingArguments") -> BatchCheck:
     """``per_device_train_batch_size`` checked against the loader's ``batch_size`` when the
     pipeline is called: the Trainer would have used the argument."""
-
-    size: int
-    origin: str = attrs.field(default="TrainingArguments", eq=False)
-    stage: ClassVar[Stage] = Stage.DATA
-    factory_name: ClassVar[str] = "per_device_batch_check"
-
-    def __call__(self, bundle: Bundle) -> Bundle:
-        bundle = self._record(bundle)
-        given = getattr(bundle.loader, "batch_size", None)
-        if given is not None and given != self.size:
-            raise ConfigError(f"{self.origin}: per_device_train_batch_size={self.size} but the "
-                              f"loader's batch_size is {given}; build the DataLoader with "
-                              f"batch_size={self.size}, or set the argument to {given}")
-        return bundle
-
-    def describe(self, env: Env) -> str:
-        return f"the loader's batch_size must be per_device_train_batch_size={self.size}"
+    return BatchCheck(origin, size, micro_key="per_device_train_batch_size")
 
 
 @attrs.frozen
@@ -499,8 +481,8 @@ def read_training_args(args: Any, env: Env | None = None,
         clip = src.number("max_grad_norm", a["max_grad_norm"])
         if clip > 0:
             out.append(src.build("max_grad_norm", clip, clip_gradients, clip))
-        out.append(PerDeviceBatch(src.integer("per_device_train_batch_size",
-                                              a["per_device_train_batch_size"], 1), origin))
+        out.append(per_device_batch(src.integer("per_device_train_batch_size",
+                                                a["per_device_train_batch_size"], 1), origin))
     if _checkpointing(src, a) and not any(isinstance(t, CheckpointActivations) for t in out):
         policy = next((t.policy for t in out if isinstance(t, Shard)), None)
         out.append(checkpoint_activations(policy))
@@ -555,7 +537,7 @@ def _deepspeed_engine(src: Source, a: dict[str, Any]) -> list[Transform]:
         out.append(accumulate_gradients(steps))
     if said("gradient_clipping") == AUTO and clip > 0:
         out.append(clip_gradients(clip))
-    return [*out, PerDeviceBatch(per_device, src.origin)]
+    return [*out, per_device_batch(per_device, src.origin)]
 
 
 def _ddp(src: Source, a: dict[str, Any]) -> tuple[dict[str, Any], Transform]:

@@ -105,3 +105,13 @@ try:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # hypothesis is a dev dependency; only the property tests need it
     pass
+
+
+def run_property(check, *, long=False):
+    """Run ``check(data)`` as a hypothesis property: the loaded profile, or the long one."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    chosen = settings(settings.get_profile("long"), database=None) if long else \
+        settings(database=None)
+    chosen(given(st.data())(check))()

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise as sw
@@ -28,7 +27,7 @@ from shardwise import configs
 from shardwise.configs import read_config
 from shardwise.errors import ShardwiseError
 
-from conftest import within
+from conftest import run_property, within
 
 pytestmark = [pytest.mark.properties, pytest.mark.filterwarnings("ignore")]
 
@@ -309,10 +308,10 @@ def test_the_seed_configs_build(name):
 
 @pytest.mark.parametrize("check", PROPERTIES, ids=[p.__name__ for p in PROPERTIES])
 def test_property(check):
-    settings(database=None)(given(st.data())(check))()
+    run_property(check)
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("check", PROPERTIES, ids=[p.__name__ for p in PROPERTIES])
 def test_long_property(check):
-    settings(settings.get_profile("long"), database=None)(given(st.data())(check))()
+    run_property(check, long=True)

@@ -190,7 +190,8 @@ def test_deepspeed_batch_sizes_are_checked_against_the_loader_and_auto_resolved(
     config = {"zero_optimization": {"stage": 0}, "train_batch_size": 8,
               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2}
     pipe = sw.from_config(config, env=CPU_ONE)
-    assert "train_micro_batch_size_per_gpu: the loader's batch_size, accumulation 2, total 8" in pipe.explain()
+    assert ("train_micro_batch_size_per_gpu: the loader's batch_size, accumulation 2, total 8"
+            in pipe.explain())
 
     def loader(batch_size):
         return torch.utils.data.DataLoader(SyntheticTokens(size=16), batch_size=batch_size)

@@ -7,7 +7,6 @@ The ci profile runs 60 examples a test (derandomized); the long run is
 ``HYPOTHESIS_PROFILE=long pytest -m long tests/test_launcher_properties.py``.
 """
 import pytest
-from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_config_properties import ENVS, SMALL, WRONG
 
@@ -16,7 +15,7 @@ from shardwise.configs import accelerate_env
 from shardwise.configs.training_args import ARGUMENTS, DEFAULTS
 from shardwise.errors import ShardwiseError
 
-from conftest import within
+from conftest import run_property, within
 
 pytestmark = [pytest.mark.properties, pytest.mark.filterwarnings("ignore")]
 
@@ -74,10 +73,10 @@ PROPERTIES = [training_arguments_build_or_are_refused_by_name,
 
 @pytest.mark.parametrize("check", PROPERTIES, ids=[p.__name__ for p in PROPERTIES])
 def test_property(check):
-    settings(database=None)(given(st.data())(check))()
+    run_property(check)
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("check", PROPERTIES, ids=[p.__name__ for p in PROPERTIES])
 def test_long_property(check):
-    settings(settings.get_profile("long"), database=None)(given(st.data())(check))()
+    run_property(check, long=True)

@@ -415,16 +415,22 @@ def frozen_zero(root):
         model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     state, _ = bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)))
     sw.save(root, bundle, state)
-    return full_state(bundle.model)
+    kernels = (bundle.optimizer.param_groups[0]["fused"],
+               bundle.sharded_optimizer.optim.param_groups[0]["fused"])
+    return full_state(bundle.model), kernels
 
 
 def test_zero1_with_frozen_parameters_loads_in_one_process(tmp_path):
-    saved = run_distributed(frozen_zero, str(tmp_path), world_size=2)[0]
+    saved, kernels = run_distributed(frozen_zero, str(tmp_path), world_size=2)[0]
+    assert kernels == (None, None)  # ZeRO-1 keeps the user's implementation
     model = TinyMLP()
     model.fc1.weight.requires_grad_(False)
     one = sw.pipeline(sw.Env())(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     assert sw.load(tmp_path, one).step == 1
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    # written by the default implementation, loaded into the fused one: it stays fused
+    assert one.optimizer.param_groups[0]["fused"] is True
+    one.step(sw.TrainState(step=1), (torch.randn(4, 8), torch.randn(4, 1)))
 
 
 def epochs_loop(bundle, state, epochs, stop_at=None):

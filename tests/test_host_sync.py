@@ -104,11 +104,12 @@ def test_clipping_reads_nothing_either():
     assert [c[2] for c in calls] == [0] * 4 and [c[1] for c in calls] == [0, 1, 1, 1]
 
 
-def test_sgd_with_momentum_reads_its_first_step_until_buffers_exist():
+def test_a_fused_sgd_with_momentum_reads_its_first_step_until_buffers_exist():
     # torch's fused SGD leaves new momentum buffers uninitialised when it skips
     torch.manual_seed(0)
     model = TinyMLP()
-    bundle = sw.pipeline(ONE)(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)  # the user's
+    bundle = sw.pipeline(ONE)(model, opt)
     batches = list(DataLoader(SyntheticRegression(size=16), batch_size=4))
     calls, _ = reads_per_call(bundle, batches)
     assert [c[2] for c in calls] == [1, 0, 0, 0]
@@ -208,3 +209,82 @@ def test_two_ranks_read_nothing_they_just_computed_and_agree_on_a_late_raise(par
         assert [c[1] for c in calls] == [0, 1, 1, 1]
         assert "optimizer step 2 (micro-step 2)" in raised and "seen at micro-step 3" in raised
         assert moved == 0.0
+
+
+def adam_state(opt):
+    return {(i, k): v.clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
+
+
+def test_clipping_with_a_non_finite_loss_leaves_everything_untouched():
+    # a NaN loss makes both the norm and the loss flag bad: the flag must still be exactly 1
+    model, opt = lm_and_adamw()
+    bundle = sw.pipeline(ONE, sw.clip_gradients(1.0))(model, opt, loss_fn=nan_loss)
+    batches = scaled(token_batches(3), bad_at=1)
+    state, _ = bundle.step(bundle.init(), batches[0])
+    weights, moments = full_state(model), adam_state(opt)
+    state, _ = bundle.step(state, batches[1])
+    assert max_param_diff(model, weights) == 0.0
+    after = adam_state(opt)
+    assert all(torch.equal(after[k], v) for k, v in moments.items())
+    with pytest.raises(NonFiniteError, match="optimizer step 2 "):
+        bundle.check(state)
+
+
+def test_a_caught_late_error_gives_the_state_to_continue_from():
+    model, opt = lm_and_adamw()
+    bundle = sw.pipeline(ONE)(model, opt, loss_fn=nan_loss)
+    state, raised = bundle.init(), 0
+    for batch in scaled(token_batches(6), bad_at=2):
+        try:
+            state, _ = bundle.step(state, batch)
+        except NonFiniteError as exc:
+            raised += 1
+            state = exc.state
+    assert raised == 1 and state.skipped_steps == 1 and state.step == 5
+    assert bundle.check(state).step == 5
+
+
+def test_a_checkpoint_of_another_implementation_keeps_the_running_one(tmp_path):
+    model, _ = lm_and_adamw()
+    mine = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    bundle = sw.pipeline(ONE)(model, mine)
+    state, _ = bundle.step(bundle.init(), token_batches(1)[0])
+    sw.save(tmp_path, bundle, state)
+    model, opt = lm_and_adamw()  # the default: switched to fused
+    fused = sw.pipeline(ONE)(model, opt)
+    state = sw.load(tmp_path, fused)
+    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is None
+    state, _ = fused.step(state, token_batches(2)[1])  # steps, late check and all
+    assert fused.check(state).step == 2
+    # and the reverse: a fused checkpoint does not switch an implementation the user chose
+    sw.save(tmp_path / "fused", fused, state)
+    model, _ = lm_and_adamw()
+    mine = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    again = sw.pipeline(ONE)(model, mine)
+    sw.load(tmp_path / "fused", again)
+    assert mine.param_groups[0]["fused"] is None and mine.param_groups[0]["foreach"] is False
+
+
+def test_sgd_with_momentum_keeps_its_implementation_and_trains_a_late_parameter():
+    torch.manual_seed(0)
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pipe = sw.pipeline(ONE)
+    assert "keeps its implementation (SGD with momentum)" in pipe.explain(model, opt)
+    bundle = pipe(model, opt)
+    assert opt.param_groups[0]["fused"] is None
+    model.fc2.bias.requires_grad_(False)  # trained only from the second step on
+    state, _ = bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)))
+    model.fc2.bias.requires_grad_(True)
+    state, _ = bundle.step(state, (torch.randn(4, 8), torch.randn(4, 1)))
+    assert state.step == 2 and "momentum_buffer" in opt.state[model.fc2.bias]
+
+
+def test_explain_names_what_the_step_does_with_the_optimizer():
+    model, opt = lm_and_adamw()
+    assert "AdamW runs torch's fused kernel" in sw.pipeline(ONE).explain(model, opt)
+    two = sw.Env(world_size=2, local_world_size=2)
+    text = sw.pipeline(two, sw.replicate(), sw.shard_optimizer()).explain(model, opt)
+    assert "keeps its implementation under shard_optimizer()" in text
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert "FSDP2's DTensor parameters" in sw.pipeline(two, sw.shard()).explain(model, sgd)

@@ -107,11 +107,11 @@ class Bundle:
 
         Raises:
             NonFiniteError: that step saw a non-finite loss or gradient; its update was not
-                applied.
+                applied. Its ``state`` is the one to continue from, if you do.
         """
         if state.pending_check is None:
             return state
-        self._stepper.settle(state.pending_check, state.micro_step)
+        self._stepper.settle(state, state.micro_step)
         return attrs.evolve(state, pending_check=None)
 
     @functools.cached_property

@@ -7,6 +7,8 @@ keeps working; catch :class:`ShardwiseError` to catch every one of them.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ShardwiseError",
     "ArgumentError",
@@ -57,7 +59,17 @@ class LossError(ShardwiseError, TypeError):
 
 
 class NonFiniteError(ShardwiseError, ValueError):
-    """A loss or gradient was NaN or infinite and ``on_nonfinite="raise"``."""
+    """A loss or gradient was NaN or infinite and ``on_nonfinite="raise"``.
+
+    ``state``: where an earlier step's check was read late (its update skipped on the
+    device), the :class:`~shardwise.TrainState` to continue from if you catch the error:
+    that step counted in ``skipped_steps``, its check cleared. None where the step that saw
+    the value raised itself: continue from the state you passed it.
+    """
+
+    def __init__(self, message: str, state: Any = None) -> None:
+        super().__init__(message)
+        self.state = state
 
 
 class DataError(ShardwiseError, ValueError):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
@@ -14,6 +15,7 @@ from shardwise._params import refuse_state
 from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.choice import SAFE_FRACTION, choose_distribution, sample_batch
+from shardwise.device_skip import fused_kernel_choice, use_fused_kernel
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError, ConfigError, ConflictError, ShardwiseError
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from shardwise.configs import ConfigResult
 
 __all__ = ["Pipeline", "pipeline", "Step", "Origin", "assemble"]
+
+log = logging.getLogger(__name__)
 
 #: Where a step of a pipeline came from: the code, a default, or a config file.
 Origin = Literal["user", "default", "config"]
@@ -124,7 +128,10 @@ class Pipeline:
         chosen; given a model, the default distribution is chosen for it first (:meth:`resolve`).
         """
         if model is not None:
-            return self.resolve(model, optimizer, batch=batch, loader=loader).explain()
+            text = self.resolve(model, optimizer, batch=batch, loader=loader).explain()
+            if optimizer is not None:
+                text += f"\n  optimizer: {self._kernel(model, optimizer)}"
+            return text
         env = self.env
         lines = [f"shardwise pipeline: {env.world_size} process(es) ({env.launcher}), "
                  f"rank {env.rank}, device {env.device}, backend {env.backend}"]
@@ -140,11 +147,12 @@ class Pipeline:
                          "checkpoint_activations, else also offload; explain(model) shows it")
         lines.append(f"  non-finite loss/gradient in fp32/bf16: {self.on_nonfinite}")
         if self.on_nonfinite == "raise":
-            lines.append("    torch's Adam/AdamW/SGD run their fused kernel where you chose no "
-                         "implementation: a non-finite step is skipped on the device and raised "
-                         "by the next step(), an epoch's last step, sw.save, sw.fit or "
-                         "bundle.check(state); no host sync per step (other optimizers read the "
-                         "flag at each optimizer step)")
+            lines.append("    torch's Adam/AdamW/momentum-free SGD run their fused kernel where "
+                         "you chose no implementation: a non-finite step is skipped on the "
+                         "device and raised by the next step(), an epoch's last step, sw.save, "
+                         "sw.fit or bundle.check(state); no host sync per step (other "
+                         "optimizers read the flag at each optimizer step; explain(model, "
+                         "optimizer) says which)")
         # where shardwise deliberately differs from Accelerate, explain() says so
         lines.append("  scheduler: steps once per optimizer step (an Accelerate-prepared one "
                      "steps once per process per optimizer step)")
@@ -155,6 +163,17 @@ class Pipeline:
             shown = ", ".join(f"{k}={v!r}" for k, v in self.fit_options.items())
             lines.append(f"  sw.fit(bundle, **pipe.fit_options): {shown}")
         return "\n".join(lines)
+
+    def _kernel(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+        """What the step does with ``optimizer`` under the resolved pipeline, in words."""
+        transforms = self.resolve(model, optimizer).transforms
+        own = [t for t in transforms if t.factory_name in ("shard_optimizer", "deepspeed")]
+        if own and self.env.is_distributed or any(t.factory_name == "deepspeed" for t in own):
+            return (f"{type(optimizer).__name__} keeps its implementation under "
+                    f"{own[0].factory_name}(): the finiteness flag is read on the host at "
+                    "each optimizer step")
+        sharded = self.env.is_distributed and any(t.factory_name == "shard" for t in transforms)
+        return fused_kernel_choice(optimizer, model, sharded=sharded)[1]
 
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  loader: Iterable[Any] | None = None, *, scheduler: Any = None,
@@ -179,6 +198,10 @@ class Pipeline:
                         env=self.env, plan=Plan(on_nonfinite=self.on_nonfinite), loss_fn=loss_fn)
         for transform in resolved.transforms:
             bundle = transform(bundle)
+        engine = bundle.engine
+        if optimizer is not None and not engine.owns_optimizer and engine.sharded_optimizer is None:
+            # after every stage: ZeRO-1 and DeepSpeed keep the user's implementation
+            log.info("optimizer: %s", use_fused_kernel(optimizer, bundle.model))
         return bundle
 
 

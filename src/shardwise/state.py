@@ -109,7 +109,8 @@ class StepOutput:
         loss: this micro-batch's loss on this rank, detached (a per-item mean when the
             loss function returns ``(loss_sum, num_items)``).
         grad_norm: total gradient norm before clipping on an optimizer step, else ``None``.
-        stepped: whether the optimizer stepped on this call.
+        stepped: whether the optimizer stepped on this call (True also for a step whose
+            update a fused kernel skipped on the device; the next call raises for it).
         lr: the learning rate of the first param group after this call.
     """
 

@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -109,6 +110,8 @@ class Stepper:
         self.plan, self.window = plan, plan.accumulation_steps
         self.autocast = forward_autocast(engine, plan.precision, env.device)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        # where the optimizer updates (the CPU under offload): the flag it takes must be there
+        self.param_device = engine.local(self.params[0]).device if self.params else env.device
         # gradients arrive averaged over ranks when a wrapper synchronises them
         self.ranks = engine.gradient_ranks(env) if dist.is_initialized() else 1
         self.loader = loader if isinstance(loader, DeviceLoader) else None
@@ -189,9 +192,9 @@ class Stepper:
             norm = torch.nn.utils.clip_grad_norm_(self.params, plan.max_grad_norm,
                                                   norm_type=plan.norm_type)
             norm = self.engine.full(norm)
-            flag = (~torch.isfinite(norm)).to(torch.float32) + \
-                (~torch.isfinite(losses)).to(norm.device, torch.float32)
-            if self.ranks > 1:
+            bad = ~torch.isfinite(norm) | ~torch.isfinite(losses).to(norm.device)
+            flag = bad.to(self.device if self.ranks > 1 else norm.device, torch.float32)
+            if self.ranks > 1:  # on the backend's device (NCCL), also for offloaded gradients
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             return norm, flag
         # this rank's part of each gradient: one reduction below serves shards and losses
@@ -208,6 +211,8 @@ class Stepper:
             torch._amp_foreach_non_finite_check_and_unscale_([losses.float()], flag, unit)
         else:
             flag.add_((~torch.isfinite(losses)).to(device, torch.float32))
+        # 1.0 or 0.0 exactly: a fused kernel skips only on 1.0 (and subtracts it from `step`)
+        flag.clamp_(max=1.0)
         if self.ranks > 1:
             flag = flag.to(self.device)  # offloaded gradients: the backend's device (NCCL)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -242,6 +247,7 @@ class Stepper:
         norm, flag = self.check_grads(losses)
         self.phase = "optimizer step"
         if (not read_now and on_nonfinite == "raise" and self.scaler is None
+                and flag.device == self.param_device  # offloaded: no copy racing the kernel
                 and skips_on_device(stepping) and ready_to_skip(stepping)):
             stepping.found_inf = flag  # type: ignore[attr-defined]
             try:
@@ -269,17 +275,21 @@ class Stepper:
         optimizer.zero_grad(set_to_none=True)
         return norm, not finite, None
 
-    def settle(self, pending: PendingCheck, micro: int) -> None:
-        """Read an earlier step's check; raise if that step was not finite (its update was
-        skipped on the device), after clearing the gradients this call accumulated."""
-        if pending.failed():
+    def settle(self, state: TrainState, micro: int) -> None:
+        """Read ``state``'s pending check (an earlier step's); raise if that step was not
+        finite (its update was skipped on the device), after clearing the gradients this
+        call accumulated. The error carries the state to continue from."""
+        pending = state.pending_check
+        if pending is not None and pending.failed():
             self.optimizer.zero_grad(set_to_none=True)
             stepped = " (the scheduler had stepped)" if self.scheduler is not None else ""
             raise NonFiniteError(
                 _nonfinite(pending.step, pending.micro_step) + "its update was skipped on the "
                 f"device, parameters and optimizer state are as before it{stepped}; seen at "
-                f"micro-step {micro}. Pass on_nonfinite='skip' to skip such "
-                "steps, or lower the learning rate / add clip_gradients")
+                f"micro-step {micro}. Pass on_nonfinite='skip' to skip such steps, or lower "
+                "the learning rate / add clip_gradients; exc.state continues without it",
+                state=attrs.evolve(state, pending_check=None,
+                                   skipped_steps=state.skipped_steps + 1))
 
     def position(self, state: TrainState) -> tuple[int, int, bool]:
         """The data position after this batch, and whether it ended an epoch: one batch on
@@ -326,7 +336,7 @@ class Stepper:
                     loss, total, weighted, losses = self.backward(state, batch)
             # read after this call's work is queued: the device has long finished that check
             if state.pending_check is not None:
-                self.settle(state.pending_check, micro)
+                self.settle(state, micro)
             norm, skipped, pending = None, False, None
             if boundary:
                 norm, skipped, pending = self.update(

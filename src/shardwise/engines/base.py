@@ -72,13 +72,20 @@ def split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     return {"state": tensors}, {"state": other, "param_groups": optim_sd.get("param_groups", [])}
 
 
+#: param-group keys that choose how an optimizer computes, not what: the running optimizer
+#: keeps its own (a checkpoint written by another implementation must not switch it)
+IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+
+
 def _typed_groups(optimizer: torch.optim.Optimizer,
                   groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """JSON's lists turned back into tuples where the optimizer keeps tuples (e.g. betas)."""
+    """The saved groups as this optimizer takes them: JSON's lists turned back into tuples
+    where the optimizer keeps tuples (e.g. betas), its own implementation keys kept."""
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(f"the checkpoint has {len(groups)} optimizer param groups, the "
                               f"optimizer {len(optimizer.param_groups)}")
-    return [{k: tuple(v) if isinstance(mine.get(k), tuple) and isinstance(v, list) else v
+    return [{k: mine[k] if k in IMPLEMENTATION and k in mine else
+             tuple(v) if isinstance(mine.get(k), tuple) and isinstance(v, list) else v
              for k, v in saved.items()} for mine, saved in zip(optimizer.param_groups, groups,
                                                                 strict=True)]
 

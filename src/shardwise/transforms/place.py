@@ -9,7 +9,6 @@ import attrs
 
 from shardwise._params import param_names, rebind_optimizer
 from shardwise.bundle import Bundle
-from shardwise.device_skip import use_fused_kernel
 from shardwise.env import Env
 from shardwise.transforms.base import Stage, Transform
 
@@ -37,14 +36,10 @@ class Place(Transform):
         if not bundle.engine.places_parameters:
             bundle.model.to(bundle.env.device)
         rebind_optimizer(bundle.optimizer, names, bundle.model)
-        if bundle.optimizer is not None and bundle.engine.sharded_optimizer is None:
-            use_fused_kernel(bundle.optimizer, bundle.model)
         return bundle
 
     def describe(self, env: Env) -> str:
-        return (f"model on {env.device}; optimizer param groups re-bound to its parameters; "
-                "torch's Adam/AdamW/SGD with no implementation chosen run their fused kernel "
-                "(it skips a non-finite step on the device: no host sync per step)")
+        return f"model on {env.device}; optimizer param groups re-bound to its parameters"
 
 
 #: the public factory: the class itself, so its defaults are written once

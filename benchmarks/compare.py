@@ -1,0 +1,555 @@
+# Hand-written torch, shardwise and Accelerate on the same Llama, data and settings: one table.
+"""Step time, time to first step, peak RSS and import time of three ways to train one model.
+
+The same Llama-shaped Transformers model (about 10M parameters, random init), the same seeded
+synthetic token batches (4 x 128 per rank, the model's own loss from ``labels``), 2 gloo
+ranks (real processes on 127.0.0.1, a free port), in three implementations:
+
+- hand-written: ``DistributedDataParallel``, or ``fully_shard`` per ``LlamaDecoderLayer``
+  then the root; bf16 as ``torch.autocast("cpu", bfloat16)`` under DDP and as
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` under FSDP2 (what
+  ``sw.mixed_precision`` does on each); accumulation with ``no_sync()`` /
+  ``set_requires_gradient_sync(False)``, the loss divided by the window.
+- shardwise: ``sw.pipeline(sw.detect(), sw.replicate() or sw.shard(sw.by_class(...)),
+  sw.mixed_precision(...), sw.accumulate_gradients(k))``, then ``bundle.step``.
+- Accelerate (the optional ``bench`` extra): ``Accelerator(cpu=True, mixed_precision=...,
+  gradient_accumulation_steps=k)``, ``prepare``, ``accelerator.backward``, and
+  ``accelerator.accumulate`` when k > 1. On CPU it never runs FSDP: it takes a
+  ``FullyShardedDataParallelPlugin(fsdp_version=2)`` and silently wraps in DDP. For the
+  FSDP2 rows its FSDP2 path is forced (``AcceleratorState.distributed_type`` set to FSDP
+  after construction, the plugin's mixed precision set as Accelerate would); the table
+  marks those cells. Not installed: its cells say so.
+
+All three use ``torch.optim.AdamW(params, lr=1e-4, fused=True)``, constructed identically:
+``fused`` is passed explicitly so all three run the same kernel (shardwise may choose the
+fused kernel by itself; the ratio is to measure the library, not the kernel). DDP is
+``bucket_cap_mb=25, gradient_as_bucket_view=True`` in all three (shardwise's defaults).
+
+Step time: per row, one 2-rank job builds the three side by side and times them in
+alternating rounds (a block of batches of each per round, after a barrier, in an order
+rotated every round), so machine noise and drift fall on all three alike. Wall time per
+batch (a block lasts as long as its slower rank) and CPU time per batch (all threads of a
+rank, the ranks' mean; less disturbed by other processes on a shared machine); each round's
+blocks give a ratio to hand-written, reported as the median and (min-max). A batch is one
+forward and backward; the accumulation rows step the optimizer every 4th and a block always
+ends a window. Time to first step and peak RSS need fresh processes: each implementation
+also runs alone in new 2-rank jobs, to the end of its first optimizer step: the time from
+the worker's start (the parent, which forks the workers, has imported torch and Transformers,
+as a training script has; Transformers imports Accelerate itself) and the larger of the two
+ranks' peak RSS (VmHWM, counting what a worker shares with the parent). Import time: each
+one's import after ``import torch``, in fresh interpreters, alternating. The last losses of
+the three are compared: the same model, data and optimizer train alike.
+
+    OMP_NUM_THREADS=1 python benchmarks/compare.py [--rounds 24] [--steps 1] [--fresh 2]
+        [--rows ddp,fsdp2,...] [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+IMPLS = ("hand-written", "shardwise", "accelerate")
+MODEL = dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+             tie_word_embeddings=False)
+BATCH, SEQ, LR, WORLD = 4, 128, 1e-4, 2
+# what each imports beyond torch (hand-written: only the FSDP2 rows; DDP comes with torch)
+IMPORTS = {"hand-written": "from torch.distributed.fsdp import fully_shard",
+           "shardwise": "import shardwise", "accelerate": "import accelerate"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    engine: str  # "ddp" | "fsdp2"
+    precision: str = "fp32"  # "fp32" | "bf16"
+    accumulate: int = 1
+    # fewer timing and fresh rounds where a round costs more: a window of 4 batches per block;
+    # bf16, whose matmuls are emulated on a CPU without AVX512-BF16 (10-20x slower than fp32)
+    rounds_divisor: int = 1
+    default: bool = True  # in the default run (the others with --rows)
+
+
+ROWS = {
+    "ddp": Row("ddp"),
+    "fsdp2": Row("fsdp2"),
+    "ddp-bf16": Row("ddp", "bf16", rounds_divisor=8),
+    "fsdp2-bf16": Row("fsdp2", "bf16", rounds_divisor=8, default=False),
+    "ddp-accum4": Row("ddp", accumulate=4, rounds_divisor=2),
+    "fsdp2-accum4": Row("fsdp2", accumulate=4, rounds_divisor=2),
+}
+
+
+# ---- the three implementations; each returns step(batch) -> loss, for one micro-batch ----
+
+def _model() -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**MODEL))
+
+
+def _adamw(model: Any) -> Any:
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+
+
+def hand_written(row: Row) -> tuple[Callable[[Any], Any], str]:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    model, bf16 = _model(), row.precision == "bf16"
+    autocast: Callable[[], Any] = contextlib.nullcontext
+    if row.engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
+
+        def sync(on: bool) -> Any:
+            return contextlib.nullcontext() if on else model.no_sync()
+        if bf16:
+            autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if bf16 else MixedPrecisionPolicy()
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+
+        def sync(on: bool) -> Any:
+            model.set_requires_gradient_sync(on)
+            return contextlib.nullcontext()
+    optimizer, window, seen = _adamw(model), row.accumulate, [0]
+
+    def step(batch: Any) -> Any:
+        seen[0] += 1
+        last = seen[0] % window == 0
+        with sync(last):
+            with autocast():
+                loss = model(**batch).loss
+            (loss / window if window > 1 else loss).backward()
+        if last:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss
+    return step, ""
+
+
+def with_shardwise(row: Row) -> tuple[Callable[[Any], Any], str]:
+    import shardwise as sw
+
+    model = _model()
+    engine = sw.replicate() if row.engine == "ddp" else sw.shard(sw.by_class("LlamaDecoderLayer"))
+    parts = [sw.detect(), engine, sw.mixed_precision(row.precision)]
+    if row.accumulate > 1:
+        parts.append(sw.accumulate_gradients(row.accumulate))
+    bundle = sw.pipeline(*parts)(model, _adamw(model))
+    state = [bundle.init()]
+
+    def step(batch: Any) -> Any:
+        state[0], out = bundle.step(state[0], batch)
+        return out.loss
+    return step, ""
+
+
+def with_accelerate(row: Row) -> tuple[Callable[[Any], Any], str]:
+    from accelerate import Accelerator, DistributedDataParallelKwargs, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True,
+    ) if row.engine == "fsdp2" else None
+    precision = "no" if row.precision == "fp32" else row.precision
+    accelerator = Accelerator(
+        cpu=True, mixed_precision=precision, gradient_accumulation_steps=row.accumulate,
+        fsdp_plugin=plugin,
+        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=25,
+                                                       gradient_as_bucket_view=True)])
+    note = ""
+    if plugin is not None and accelerator.distributed_type != DistributedType.FSDP:
+        # on CPU Accelerate keeps MULTI_CPU and would wrap in DDP: force its FSDP2 path
+        note = f"FSDP2 forced: Accelerate chose {accelerator.distributed_type.value}"
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+        if precision != "no":
+            plugin.set_mixed_precision(precision)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, _adamw(model))
+
+    def step(batch: Any) -> Any:
+        with accelerator.accumulate(model) if row.accumulate > 1 else contextlib.nullcontext():
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+    return step, note
+
+
+BUILDERS = {"hand-written": hand_written, "shardwise": with_shardwise,
+            "accelerate": with_accelerate}
+
+
+# ---- workers (forked, one per rank) ----
+
+def _batches(rank: int, count: int = 8) -> list[dict[str, Any]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    ids = torch.randint(0, MODEL["vocab_size"], (count, BATCH, SEQ + 1), generator=gen)
+    return [{"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()} for x in ids]
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every process on this machine has used so far (/proc/stat)."""
+    with open("/proc/stat") as stat:
+        jiffies = [int(x) for x in stat.readline().split()[1:]]
+    return (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")  # not idle, iowait
+
+
+def first_step_job(impl: str, row: Row) -> dict[str, Any]:
+    """Build ``impl`` in this fresh process and run it to the end of its first optimizer step."""
+    start = time.perf_counter()
+    step, note = BUILDERS[impl](row)
+    for batch in _batches(int(os.environ["RANK"]))[:row.accumulate]:
+        float(step(batch).detach())
+    return {"first_step_s": time.perf_counter() - start, "peak_rss_mib": _peak_rss_mib(),
+            "note": note}
+
+
+def timing_job(impls: list[str], row: Row, rounds: int, block: int) -> dict[str, Any]:
+    """All of ``impls`` side by side; per batch of each block, in alternating rounds: wall
+    seconds, this rank's CPU seconds, and the CPU seconds the whole machine used."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    batches = _batches(int(os.environ["RANK"]))
+    steps, notes, seen, losses = {}, {}, {}, {}
+    for impl in impls:
+        steps[impl], notes[impl] = BUILDERS[impl](row)
+        seen[impl] = 0
+    times: dict[str, list[tuple[float, float, float]]] = {impl: [] for impl in impls}
+    for round_ in range(-1, rounds):  # round -1 warms up (first-step allocations, DDP buckets)
+        for impl in impls[round_ % len(impls):] + impls[:round_ % len(impls)]:
+            dist.barrier()
+            start, cpu, busy = time.perf_counter(), time.process_time(), _machine_busy_s()
+            for _ in range(block):
+                loss = steps[impl](batches[seen[impl] % len(batches)])
+                seen[impl] += 1
+            losses[impl] = float(loss.detach())
+            if round_ >= 0:
+                times[impl].append(((time.perf_counter() - start) / block,
+                                    (time.process_time() - cpu) / block,
+                                    (_machine_busy_s() - busy) / block))
+    dist.barrier()
+    # the same batches in the same order: the last losses agree when the three train alike
+    return {"times": times, "notes": notes, "last_loss": losses}
+
+
+def _rank_main(rank: int, port: int, queue: Any, job: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        queue.put((rank, job(*args), None))
+    except BaseException as exc:  # reported by the parent, with the rank
+        queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
+    os._exit(0)  # no interpreter teardown with gloo threads alive; the result is written
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(job: Callable[..., Any], *args: Any, timeout: float = 600) -> list[Any]:
+    """``job(*args)`` on WORLD forked ranks; their results by rank (RuntimeError on failure)."""
+    ctx = mp.get_context("fork")  # the parent's torch and Transformers imports are shared
+    queue, port = ctx.SimpleQueue(), _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, queue, job, args)) for r in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < WORLD:
+            if not queue.empty():
+                rank, value, error = queue.get()
+                if error is not None:
+                    raise RuntimeError(f"rank {rank}: {error}")
+                results[rank] = value
+            elif time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"{job.__name__}{args[:1]} timed out or a rank died")
+            else:
+                time.sleep(0.01)
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    return [results[r] for r in range(WORLD)]
+
+
+def import_times(impls: list[str], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each one's import after ``import torch``, fresh interpreters, alternating."""
+    code = "import time, torch; t = time.perf_counter(); {}; print(time.perf_counter() - t)"
+    samples: dict[str, list[float]] = {impl: [] for impl in impls}
+    for _ in range(rounds):
+        for impl in impls:
+            out = subprocess.run([sys.executable, "-c", code.format(IMPORTS[impl])],
+                                 capture_output=True, text=True, check=True).stdout
+            samples[impl].append(float(out.split()[-1]))
+    return samples
+
+
+# ---- the run, the table and the JSON ----
+
+def _summary(values: list[float]) -> dict[str, float]:
+    median = statistics.median(values)
+    return {"median": median, "min": min(values), "max": max(values),
+            "spread": (max(values) - min(values)) / median if median else 0.0}
+
+
+def fresh_rounds(row: Row, impls: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Each implementation alone in new jobs, in an order rotated every round: time to first
+    step and peak RSS (the larger of the two ranks')."""
+    out: dict[str, Any] = {impl: {"first_step_s": [], "peak_rss_mib": [], "note": "", "error": None}
+                           for impl in impls}
+    for round_ in range(max(1, args.fresh // row.rounds_divisor)):
+        for impl in impls[round_ % len(impls):] + impls[:round_ % len(impls)]:
+            if out[impl]["error"]:
+                continue
+            try:
+                ranks = launch(first_step_job, impl, row, timeout=args.timeout)
+            except RuntimeError as exc:
+                out[impl]["error"] = str(exc)
+                continue
+            out[impl]["first_step_s"].append(max(r["first_step_s"] for r in ranks))
+            out[impl]["peak_rss_mib"].append(max(r["peak_rss_mib"] for r in ranks))
+            out[impl]["note"] = ranks[0]["note"]
+    return out
+
+
+def run_row(row: Row, impls: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The fresh jobs, then the timing job, for one row; every list of samples summarised."""
+    out = fresh_rounds(row, impls, args)
+    timed = [impl for impl in impls if not out[impl]["error"]]
+    rounds = max(1, args.rounds // row.rounds_divisor)
+    block = -(-args.steps // row.accumulate) * row.accumulate  # whole windows
+    try:
+        ranks = launch(timing_job, timed, row, rounds, block, timeout=args.timeout)
+    except RuntimeError as exc:
+        if "accelerate" not in timed:
+            raise
+        out["accelerate"]["error"] = f"in the timing job: {exc}"  # the others still compare
+        timed.remove("accelerate")
+        ranks = launch(timing_job, timed, row, rounds, block, timeout=args.timeout)
+    for impl in timed:
+        entry = out[impl]
+        # a block lasts as long as its slower rank; CPU time: the ranks' mean (all threads)
+        entry["ms_per_batch"] = [max(r["times"][impl][i][0] for r in ranks) * 1e3
+                                 for i in range(rounds)]
+        entry["cpu_ms_per_batch"] = [statistics.mean(r["times"][impl][i][1] for r in ranks) * 1e3
+                                     for i in range(rounds)]
+        entry["note"] = entry["note"] or ranks[0]["notes"][impl]
+        entry["last_loss"] = ranks[0]["last_loss"][impl]
+    # what other processes took of the machine meanwhile: busy CPU time less the ranks'
+    blocks = [(r0[0], r0[2] - sum(r["times"][impl][i][1] for r in ranks))
+              for impl in timed for i, r0 in enumerate(ranks[0]["times"][impl])]
+    out["others_cpu_share"] = max(0.0, sum(b for _, b in blocks)) / (
+        sum(w for w, _ in blocks) * (os.cpu_count() or 1))
+    pairs = [(impl, "hand-written", "to_hand") for impl in timed]
+    if "accelerate" in timed:
+        pairs.append(("shardwise", "accelerate", "to_accelerate"))
+    for impl, base, name in pairs:  # the per-round ratios first; then each list becomes its summary
+        for key, ratio in (("ms_per_batch", "ratio"), ("cpu_ms_per_batch", "cpu_ratio")):
+            out[impl][f"{ratio}_{name}"] = _summary(
+                [a / b for a, b in zip(out[impl][key], out[base][key], strict=True)])
+    for impl in timed:
+        for key in ("ms_per_batch", "cpu_ms_per_batch", "first_step_s", "peak_rss_mib"):
+            values = out[impl][key]
+            out[impl][key] = {**_summary(values), "samples": values} if values else None
+    last = [out[impl]["last_loss"] for impl in timed]
+    out["loss_spread"] = (max(last) - min(last)) / abs(statistics.median(last))
+    out["settings"] = {**dataclasses.asdict(row), "rounds": rounds, "batches_per_block": block}
+    return out
+
+
+def misses(rows: dict[str, Any]) -> list[str]:
+    """Where shardwise / hand-written > 1.01, or shardwise / Accelerate > 1 (medians of the
+    per-round ratios, wall or CPU time; the medians of time to first step)."""
+    found = []
+    for name, row in rows.items():
+        ours, theirs = row["shardwise"], row.get("accelerate", {})
+        if ours.get("ratio_to_hand") is None:
+            found.append(f"{name}: shardwise did not run ({ours['error']})")
+            continue
+        for key, limit, other in (("ratio_to_hand", 1.01, "hand-written"),
+                                  ("ratio_to_accelerate", 1.0, "Accelerate")):
+            for prefix, what in (("", "wall"), ("cpu_", "CPU")):
+                ratio = ours.get(prefix + key)
+                if ratio and ratio["median"] > limit:
+                    found.append(f"{name}: shardwise / {other} {ratio['median']:.3f} "
+                                 f"({ratio['min']:.3f}-{ratio['max']:.3f}) > {limit} ({what} time)")
+        if theirs.get("first_step_s") and ours["first_step_s"]["median"] > \
+                theirs["first_step_s"]["median"]:
+            found.append(f"{name}: shardwise {ours['first_step_s']['median']:.2f} s to first step "
+                         f"> Accelerate's {theirs['first_step_s']['median']:.2f}")
+    return found
+
+
+def _cells(entry: dict[str, Any] | None) -> list[str]:
+    if entry is None:
+        return ["not installed"] * 6
+    if entry.get("ms_per_batch") is None:
+        return [f"failed: {entry['error']}"[:80]] + [""] * 5
+    cells = []
+    for key, ratio in (("ms_per_batch", "ratio_to_hand"), ("cpu_ms_per_batch", "cpu_ratio_to_hand")):
+        ms, r = entry[key], entry[ratio]
+        cells += [f"{ms['median']:.1f} ({ms['spread']:.0%})",
+                  f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"]
+    first, rss = entry["first_step_s"], entry["peak_rss_mib"]
+    return cells + [f"{first['median']:.2f}" if first else "", f"{rss['median']:.0f}" if rss else ""]
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| row | implementation | wall ms/batch (spread) | / hand-written (min-max) | "
+             "CPU ms/batch (spread) | / hand-written (min-max) | first step s | "
+             "peak RSS MiB/rank |", "|---|---|---|---|---|---|---|---|"]
+    for name, row in result["rows"].items():
+        for impl in IMPLS:
+            note = row[impl]["note"] if impl in row else ""
+            label = f"{impl} (FSDP2 forced)†" if note.startswith("FSDP2 forced") else impl
+            lines.append(f"| {name} | {label} | " + " | ".join(_cells(row.get(impl))) + " |")
+    imports = result["import_ms"]
+    lines.append("")
+    if any(row.get("accelerate", {}).get("note") for row in result["rows"].values()):
+        lines.append("- † Accelerate on CPU takes a FullyShardedDataParallelPlugin(fsdp_version=2) "
+                     "and silently wraps in DDP (distributed_type MULTI_CPU); its FSDP2 path was "
+                     "forced by setting AcceleratorState.distributed_type = FSDP after construction.")
+    versus = [(name, row["shardwise"]) for name, row in result["rows"].items()
+              if "ratio_to_accelerate" in row["shardwise"]]
+    if versus:
+        lines.append("- shardwise / Accelerate, per-round ratios, median (min-max), wall; CPU: " + ", ".join(
+            f"{name} {e['ratio_to_accelerate']['median']:.3f} ({e['ratio_to_accelerate']['min']:.3f}-"
+            f"{e['ratio_to_accelerate']['max']:.3f}); {e['cpu_ratio_to_accelerate']['median']:.3f}"
+            for name, e in versus))
+    lines.append("- other processes' share of the machine's CPUs during the timed blocks: " +
+                 ", ".join(f"{row['others_cpu_share']:.0%} ({name})"
+                           for name, row in result["rows"].items()))
+    lines.append("- same training: last losses of the three differ by at most " + ", ".join(
+        f"{row['loss_spread']:.1e} ({name})" for name, row in result["rows"].items()) +
+        " (relative)")
+    why = {"hand-written": "the FSDP2 rows; DDP needs nothing more",
+           "shardwise": "its parts load when first used, inside the first step",
+           "accelerate": "Transformers imports it itself when it is installed"}
+    lines.append("- import after `import torch`, fresh interpreters, median ms: " + "; ".join(
+        f"`{IMPORTS[impl]}` {v['median']:.0f} ({why[impl]})" for impl, v in imports.items()))
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=24,
+                        help="timing rounds (fewer on the accumulation and bf16 rows)")
+    parser.add_argument("--steps", type=int, default=1,
+                        help="batches per block and round (at least one accumulation window)")
+    parser.add_argument("--fresh", type=int, default=2, help="fresh-process rounds per row")
+    parser.add_argument("--rows", help=f"a subset of {','.join(ROWS)} (default: all but "
+                        "fsdp2-bf16; --quick: the fp32 rows)")
+    parser.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "compare.json"),
+                        help="where the results go (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: fp32 rows, 2 rounds of 1 batch, 1 fresh round, "
+                        "unless given")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per job")
+    args = parser.parse_args(argv)
+    if args.quick:
+        given = argv if argv is not None else sys.argv[1:]
+        for flag, value in (("--rounds", 2), ("--steps", 1), ("--fresh", 1)):
+            if not any(a == flag or a.startswith(flag + "=") for a in given):
+                setattr(args, flag[2:], value)
+    args.rows = args.rows or ",".join(
+        name for name, row in ROWS.items()
+        if (row.precision == "fp32" if args.quick else row.default))
+    unknown = set(args.rows.split(",")) - set(ROWS)
+    if unknown:
+        parser.error(f"--rows: unknown {sorted(unknown)}; accepted: {', '.join(ROWS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    impls = [i for i in IMPLS if i != "accelerate" or importlib.util.find_spec("accelerate")]
+    started = time.monotonic()
+    imports = import_times(impls, max(1, args.fresh))
+    # shared by the forked workers, as a training script has them before it starts
+    import torch
+    try:
+        import transformers
+    except ImportError:
+        sys.exit("benchmarks/compare.py needs Transformers: pip install -e '.[bench]'")
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    torch.set_num_threads(1)
+    if not args.quick:  # the first fork after the imports is slower: a job not counted
+        launch(first_step_job, "hand-written", ROWS["ddp"], timeout=args.timeout)
+    rows = {}
+    for name in args.rows.split(","):
+        rows[name] = run_row(ROWS[name], impls, args)
+        print(f"{name}: done at {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if "accelerate" in impls:
+        import accelerate
+        versions["accelerate"] = accelerate.__version__
+    result = {
+        "command": " ".join(["python", *sys.argv]), "date": datetime.date.today().isoformat(),
+        "versions": versions, "cpus": os.cpu_count(), "world_size": WORLD, "model": MODEL,
+        "batch_per_rank": [BATCH, SEQ], "lr": LR, "wall_s": time.monotonic() - started,
+        "import_ms": {impl: _summary([t * 1e3 for t in v]) for impl, v in imports.items()},
+        "rows": rows,
+    }
+    result["misses"] = misses(rows)
+    with open(args.json, "w") as file:
+        json.dump(result, file, indent=1)
+    print(table(result))
+    print("\ntargets: shardwise / hand-written <= 1.01 on every row, never slower than Accelerate")
+    for line in result["misses"] or ["all met"]:
+        print(f"  {line}")
+    print(f"{result['wall_s']:.0f} s; JSON in {args.json}")
+
+
+if __name__ == "__main__":
+    main()

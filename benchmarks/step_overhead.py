@@ -3,8 +3,9 @@
 ``sw.shard()`` against a hand-written FSDP2 (``fully_shard`` per block, then the root) loop.
 
 All four run in the same 2-rank gloo job on the tiny transformer LM, with the same data,
-AdamW and settings, alternating blocks of steps; medians of step time and their ratios
-are printed. Target: shardwise / hand-written <= 1.02.
+AdamW (``fused=True``: the kernel shardwise switches a default AdamW to) and settings,
+alternating blocks of steps; medians of step time and their ratios are printed. Target:
+shardwise / hand-written <= 1.02.
 
     python benchmarks/step_overhead.py [--rounds 40] [--steps 10]
 """
@@ -28,7 +29,7 @@ from shardwise.testing import SyntheticTokens, TinyTransformerLM, run_distribute
 def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=64, dim=64, heads=4, layers=2)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
 
 def hand_step(model: torch.nn.Module, opt: torch.optim.Optimizer,

@@ -204,15 +204,15 @@ class Stepper:
             self.scratch[device] = (torch.zeros((), device=device), torch.ones((), device=device))
         unit = self.scratch[device][1]
         flag = torch.zeros((), device=device)  # new each step: a pending check keeps it
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, unit)
-        if losses.device == device and losses.is_floating_point():
-            # the losses' sum joins the same check (scaled by 1, unchanged)
-            torch._amp_foreach_non_finite_check_and_unscale_([losses.float()], flag, unit)
-        else:
-            flag.add_((~torch.isfinite(losses)).to(device, torch.float32))
-        # 1.0 or 0.0 exactly: a fused kernel skips only on 1.0 (and subtracts it from `step`)
-        flag.clamp_(max=1.0)
+        # the losses' sum joins the same call where it can (scaled by 1, unchanged); the
+        # check sets the flag to 1.0, never adds: a fused kernel skips only on exactly 1.0
+        joins = losses.device == device and losses.is_floating_point() and all(
+            g.dtype == torch.float32 for g in grads[:1])
+        checked = [*grads, losses.float()] if joins else grads
+        if checked:
+            torch._amp_foreach_non_finite_check_and_unscale_(checked, flag, unit)
+        if not joins:
+            flag.add_((~torch.isfinite(losses)).to(device, torch.float32)).clamp_(max=1.0)
         if self.ranks > 1:
             flag = flag.to(self.device)  # offloaded gradients: the backend's device (NCCL)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

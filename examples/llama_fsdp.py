@@ -67,6 +67,7 @@ def main() -> None:
             losses.append(float(sw.reduce(out.loss.detach().float(), "mean")))
             if state.step >= args.steps:
                 break
+    state = bundle.check(state)  # a loop ended mid-epoch: read the last step's late check
     norms = {name: float(p.detach().float().norm() ** 2) for name, p in
              bundle.model.named_parameters()}  # this rank's shards; summed over ranks below
     total = torch.tensor([norms[n] for n in sorted(norms)], dtype=torch.float64)

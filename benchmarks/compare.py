@@ -40,8 +40,23 @@ ranks' peak RSS (VmHWM, counting what a worker shares with the parent). Import t
 one's import after ``import torch``, in fresh interpreters, alternating. The last losses of
 the three are compared: the same model, data and optimizer train alike.
 
+``--device cuda`` (a machine with one NVIDIA GPU; without CUDA it says so and exits with 2):
+one rank (NCCL, world size 1: NCCL cannot put two ranks on one GPU), every row by default
+(bf16 is native there; every row gets the full rounds). Hand-written is what one writes for
+one GPU: the plain model on cuda:0, bf16 as ``torch.autocast("cuda", bfloat16)``, no wrapper
+on any row; shardwise places the model itself, and with one process its ``replicate()`` and
+``shard()`` wrap nothing either; Accelerate is ``Accelerator(cpu=False)``, which wraps no DDP
+at world size 1 but still applies FSDP2 on the fsdp2 rows: the table's ``model`` column
+names the class each trained, so a ratio is read knowing who paid for a wrapper. Batches are
+moved the same way for all three, by the harness: seeded on
+the host in pinned memory, copied with ``.to("cuda", non_blocking=True)`` before each step,
+inside the timed block. ``torch.cuda.synchronize()`` comes before every timer read (CPU time
+then includes the wait for the GPU). Peak memory: ``torch.cuda.max_memory_allocated()`` of the
+fresh job (one implementation alone, to the end of its first optimizer step), in addition to
+peak RSS.
+
     OMP_NUM_THREADS=1 python benchmarks/compare.py [--rounds 24] [--steps 1] [--fresh 2]
-        [--rows ddp,fsdp2,...] [--json PATH] [--quick]
+        [--rows ddp,fsdp2,...] [--json PATH] [--quick] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -111,15 +126,21 @@ def _adamw(model: Any) -> Any:
     return torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
 
 
-def hand_written(row: Row) -> tuple[Callable[[Any], Any], str]:
+def hand_written(row: Row, device: str) -> tuple[Callable[[Any], Any], str]:
     import torch
-    import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    model, bf16 = _model(), row.precision == "bf16"
+    _init_group(device)
+    model, bf16 = _model().to(device), row.precision == "bf16"
     autocast: Callable[[], Any] = contextlib.nullcontext
-    if row.engine == "ddp":
+
+    def sync(on: bool) -> Any:  # one process (--device cuda): nothing to synchronise
+        return contextlib.nullcontext()
+    if device == "cuda":
+        # what one writes for one GPU, and what shardwise (and Accelerate's DDP) run at world
+        # size 1: the plain model, bf16 by autocast
+        if bf16:
+            autocast = functools.partial(torch.autocast, device, dtype=torch.bfloat16)
+    elif row.engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
@@ -127,7 +148,7 @@ def hand_written(row: Row) -> tuple[Callable[[Any], Any], str]:
         def sync(on: bool) -> Any:
             return contextlib.nullcontext() if on else model.no_sync()
         if bf16:
-            autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+            autocast = functools.partial(torch.autocast, device, dtype=torch.bfloat16)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -153,10 +174,10 @@ def hand_written(row: Row) -> tuple[Callable[[Any], Any], str]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return loss
-    return step, ""
+    return step, _note("", model, device)
 
 
-def with_shardwise(row: Row) -> tuple[Callable[[Any], Any], str]:
+def with_shardwise(row: Row, device: str) -> tuple[Callable[[Any], Any], str]:
     import shardwise as sw
 
     model = _model()
@@ -170,10 +191,10 @@ def with_shardwise(row: Row) -> tuple[Callable[[Any], Any], str]:
     def step(batch: Any) -> Any:
         state[0], out = bundle.step(state[0], batch)
         return out.loss
-    return step, ""
+    return step, _note("", bundle.model, device)
 
 
-def with_accelerate(row: Row) -> tuple[Callable[[Any], Any], str]:
+def with_accelerate(row: Row, device: str) -> tuple[Callable[[Any], Any], str]:
     from accelerate import Accelerator, DistributedDataParallelKwargs, FullyShardedDataParallelPlugin
     from accelerate.utils import DistributedType
 
@@ -183,7 +204,7 @@ def with_accelerate(row: Row) -> tuple[Callable[[Any], Any], str]:
     ) if row.engine == "fsdp2" else None
     precision = "no" if row.precision == "fp32" else row.precision
     accelerator = Accelerator(
-        cpu=True, mixed_precision=precision, gradient_accumulation_steps=row.accumulate,
+        cpu=device == "cpu", mixed_precision=precision, gradient_accumulation_steps=row.accumulate,
         fsdp_plugin=plugin,
         kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=25,
                                                        gradient_as_bucket_view=True)])
@@ -205,21 +226,66 @@ def with_accelerate(row: Row) -> tuple[Callable[[Any], Any], str]:
             optimizer.step()
             optimizer.zero_grad()
         return loss
-    return step, note
+    return step, _note(note, model, device)
 
 
 BUILDERS = {"hand-written": hand_written, "shardwise": with_shardwise,
             "accelerate": with_accelerate}
 
 
+def _note(note: str, model: Any, device: str) -> str:
+    """On CUDA (world size 1), ``note`` and the class the model trains as: which one wrapped."""
+    return note if device == "cpu" else "; ".join(filter(None, [note, type(model).__name__]))
+
+
+# ---- what differs on CUDA: the group, the batches' way to the device, the clock ----
+
+def world(device: str) -> int:
+    """Ranks per job: one on CUDA, since NCCL cannot put two ranks on one GPU."""
+    return 1 if device == "cuda" else WORLD
+
+
+def _init_group(device: str) -> None:
+    """The default process group, once: gloo on CPU, NCCL on cuda:0."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo")
+
+
+def _to(batch: dict[str, Any], device: str) -> dict[str, Any]:
+    """``batch`` on ``device``; on CUDA from pinned memory with ``non_blocking``, for all three."""
+    if device == "cpu":
+        return batch
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def _sync(device: str) -> None:
+    """Wait for the GPU's queued work before a clock is read (nothing to wait for on CPU)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 # ---- workers (forked, one per rank) ----
 
-def _batches(rank: int, count: int = 8) -> list[dict[str, Any]]:
+def _batches(rank: int, device: str, count: int = 8) -> list[dict[str, Any]]:
+    """Seeded token batches on the host; pinned when they are to be copied to a GPU."""
     import torch
 
     gen = torch.Generator().manual_seed(1000 + rank)
     ids = torch.randint(0, MODEL["vocab_size"], (count, BATCH, SEQ + 1), generator=gen)
-    return [{"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()} for x in ids]
+    batches = [{"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()} for x in ids]
+    if device == "cuda":
+        batches = [{key: value.pin_memory() for key, value in b.items()} for b in batches]
+    return batches
 
 
 def _peak_rss_mib() -> float:
@@ -237,35 +303,43 @@ def _machine_busy_s() -> float:
     return (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")  # not idle, iowait
 
 
-def first_step_job(impl: str, row: Row) -> dict[str, Any]:
+def first_step_job(impl: str, row: Row, device: str) -> dict[str, Any]:
     """Build ``impl`` in this fresh process and run it to the end of its first optimizer step."""
     start = time.perf_counter()
-    step, note = BUILDERS[impl](row)
-    for batch in _batches(int(os.environ["RANK"]))[:row.accumulate]:
-        float(step(batch).detach())
-    return {"first_step_s": time.perf_counter() - start, "peak_rss_mib": _peak_rss_mib(),
-            "note": note}
+    step, note = BUILDERS[impl](row, device)
+    for batch in _batches(int(os.environ["RANK"]), device)[:row.accumulate]:
+        float(step(_to(batch, device)).detach())
+    _sync(device)
+    out = {"first_step_s": time.perf_counter() - start, "peak_rss_mib": _peak_rss_mib(),
+           "note": note}
+    if device == "cuda":  # this process has run only ``impl``: its peak is the implementation's
+        import torch
+
+        out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
 
 
-def timing_job(impls: list[str], row: Row, rounds: int, block: int) -> dict[str, Any]:
+def timing_job(impls: list[str], row: Row, rounds: int, block: int, device: str) -> dict[str, Any]:
     """All of ``impls`` side by side; per batch of each block, in alternating rounds: wall
     seconds, this rank's CPU seconds, and the CPU seconds the whole machine used."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    batches = _batches(int(os.environ["RANK"]))
+    _init_group(device)
+    batches = _batches(int(os.environ["RANK"]), device)
     steps, notes, seen, losses = {}, {}, {}, {}
     for impl in impls:
-        steps[impl], notes[impl] = BUILDERS[impl](row)
+        steps[impl], notes[impl] = BUILDERS[impl](row, device)
         seen[impl] = 0
     times: dict[str, list[tuple[float, float, float]]] = {impl: [] for impl in impls}
     for round_ in range(-1, rounds):  # round -1 warms up (first-step allocations, DDP buckets)
         for impl in impls[round_ % len(impls):] + impls[:round_ % len(impls)]:
             dist.barrier()
+            _sync(device)
             start, cpu, busy = time.perf_counter(), time.process_time(), _machine_busy_s()
             for _ in range(block):
-                loss = steps[impl](batches[seen[impl] % len(batches)])
+                loss = steps[impl](_to(batches[seen[impl] % len(batches)], device))
                 seen[impl] += 1
+            _sync(device)
             losses[impl] = float(loss.detach())
             if round_ >= 0:
                 times[impl].append(((time.perf_counter() - start) / block,
@@ -276,9 +350,10 @@ def timing_job(impls: list[str], row: Row, rounds: int, block: int) -> dict[str,
     return {"times": times, "notes": notes, "last_loss": losses}
 
 
-def _rank_main(rank: int, port: int, queue: Any, job: Callable[..., Any], args: tuple) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, size: int, port: int, queue: Any, job: Callable[..., Any],
+               args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         queue.put((rank, job(*args), None))
     except BaseException as exc:  # reported by the parent, with the rank
@@ -292,17 +367,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def launch(job: Callable[..., Any], *args: Any, timeout: float = 600) -> list[Any]:
-    """``job(*args)`` on WORLD forked ranks; their results by rank (RuntimeError on failure)."""
+def launch(job: Callable[..., Any], *args: Any, size: int = WORLD,
+           timeout: float = 600) -> list[Any]:
+    """``job(*args)`` on ``size`` forked ranks; their results by rank (RuntimeError on failure).
+    On CUDA the parent must not have touched the GPU: a forked child could not use it."""
     ctx = mp.get_context("fork")  # the parent's torch and Transformers imports are shared
     queue, port = ctx.SimpleQueue(), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, queue, job, args)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, queue, job, args))
+             for r in range(size)]
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) < WORLD:
+        while len(results) < size:
             if not queue.empty():
                 rank, value, error = queue.get()
                 if error is not None:
@@ -318,7 +396,7 @@ def launch(job: Callable[..., Any], *args: Any, timeout: float = 600) -> list[An
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-    return [results[r] for r in range(WORLD)]
+    return [results[r] for r in range(size)]
 
 
 def import_times(impls: list[str], rounds: int) -> dict[str, list[float]]:
@@ -341,22 +419,29 @@ def _summary(values: list[float]) -> dict[str, float]:
             "spread": (max(values) - min(values)) / median if median else 0.0}
 
 
+def _divisor(row: Row, device: str) -> int:
+    """Fewer rounds for the costlier rows on CPU; on CUDA a batch takes milliseconds."""
+    return row.rounds_divisor if device == "cpu" else 1
+
+
 def fresh_rounds(row: Row, impls: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """Each implementation alone in new jobs, in an order rotated every round: time to first
-    step and peak RSS (the larger of the two ranks')."""
-    out: dict[str, Any] = {impl: {"first_step_s": [], "peak_rss_mib": [], "note": "", "error": None}
-                           for impl in impls}
-    for round_ in range(max(1, args.fresh // row.rounds_divisor)):
+    step and peak RSS (the larger of the two ranks'); on CUDA also peak GPU memory."""
+    peaks = ("peak_rss_mib", "peak_gpu_mib") if args.device == "cuda" else ("peak_rss_mib",)
+    out: dict[str, Any] = {impl: {"first_step_s": [], **{key: [] for key in peaks}, "note": "",
+                                  "error": None} for impl in impls}
+    for round_ in range(max(1, args.fresh // _divisor(row, args.device))):
         for impl in impls[round_ % len(impls):] + impls[:round_ % len(impls)]:
             if out[impl]["error"]:
                 continue
             try:
-                ranks = launch(first_step_job, impl, row, timeout=args.timeout)
+                ranks = launch(first_step_job, impl, row, args.device, size=world(args.device),
+                               timeout=args.timeout)
             except RuntimeError as exc:
                 out[impl]["error"] = str(exc)
                 continue
-            out[impl]["first_step_s"].append(max(r["first_step_s"] for r in ranks))
-            out[impl]["peak_rss_mib"].append(max(r["peak_rss_mib"] for r in ranks))
+            for key in ("first_step_s", *peaks):
+                out[impl][key].append(max(r[key] for r in ranks))
             out[impl]["note"] = ranks[0]["note"]
     return out
 
@@ -365,16 +450,17 @@ def run_row(row: Row, impls: list[str], args: argparse.Namespace) -> dict[str, A
     """The fresh jobs, then the timing job, for one row; every list of samples summarised."""
     out = fresh_rounds(row, impls, args)
     timed = [impl for impl in impls if not out[impl]["error"]]
-    rounds = max(1, args.rounds // row.rounds_divisor)
+    rounds = max(1, args.rounds // _divisor(row, args.device))
     block = -(-args.steps // row.accumulate) * row.accumulate  # whole windows
+    job = functools.partial(launch, timing_job, size=world(args.device), timeout=args.timeout)
     try:
-        ranks = launch(timing_job, timed, row, rounds, block, timeout=args.timeout)
+        ranks = job(timed, row, rounds, block, args.device)
     except RuntimeError as exc:
         if "accelerate" not in timed:
             raise
         out["accelerate"]["error"] = f"in the timing job: {exc}"  # the others still compare
         timed.remove("accelerate")
-        ranks = launch(timing_job, timed, row, rounds, block, timeout=args.timeout)
+        ranks = job(timed, row, rounds, block, args.device)
     for impl in timed:
         entry = out[impl]
         # a block lasts as long as its slower rank; CPU time: the ranks' mean (all threads)
@@ -397,7 +483,10 @@ def run_row(row: Row, impls: list[str], args: argparse.Namespace) -> dict[str, A
             out[impl][f"{ratio}_{name}"] = _summary(
                 [a / b for a, b in zip(out[impl][key], out[base][key], strict=True)])
     for impl in timed:
-        for key in ("ms_per_batch", "cpu_ms_per_batch", "first_step_s", "peak_rss_mib"):
+        for key in ("ms_per_batch", "cpu_ms_per_batch", "first_step_s", "peak_rss_mib",
+                    "peak_gpu_mib"):
+            if key not in out[impl]:  # peak_gpu_mib: on CUDA only
+                continue
             values = out[impl][key]
             out[impl][key] = {**_summary(values), "samples": values} if values else None
     last = [out[impl]["last_loss"] for impl in timed]
@@ -429,32 +518,40 @@ def misses(rows: dict[str, Any]) -> list[str]:
     return found
 
 
-def _cells(entry: dict[str, Any] | None) -> list[str]:
+def _cells(entry: dict[str, Any] | None, gpu: bool) -> list[str]:
+    width = 8 if gpu else 6
     if entry is None:
-        return ["not installed"] * 6
+        return ["not installed"] * width
     if entry.get("ms_per_batch") is None:
-        return [f"failed: {entry['error']}"[:80]] + [""] * 5
+        return [f"failed: {entry['error']}"[:80]] + [""] * (width - 1)
     cells = []
     for key, ratio in (("ms_per_batch", "ratio_to_hand"), ("cpu_ms_per_batch", "cpu_ratio_to_hand")):
         ms, r = entry[key], entry[ratio]
         cells += [f"{ms['median']:.1f} ({ms['spread']:.0%})",
                   f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"]
     first, rss = entry["first_step_s"], entry["peak_rss_mib"]
-    return cells + [f"{first['median']:.2f}" if first else "", f"{rss['median']:.0f}" if rss else ""]
+    cells += [f"{first['median']:.2f}" if first else "", f"{rss['median']:.0f}" if rss else ""]
+    if gpu:  # the class the model trained as (who wrapped at world size 1), peak GPU memory
+        peak = entry["peak_gpu_mib"]
+        cells += [entry["note"].split("; ")[-1], f"{peak['median']:.0f}" if peak else ""]
+    return cells
 
 
-def table(result: dict[str, Any]) -> str:
+def table(result: dict[str, Any], device: str = "cpu") -> str:
+    gpu = device == "cuda"
     lines = ["| row | implementation | wall ms/batch (spread) | / hand-written (min-max) | "
              "CPU ms/batch (spread) | / hand-written (min-max) | first step s | "
-             "peak RSS MiB/rank |", "|---|---|---|---|---|---|---|---|"]
+             "peak RSS MiB/rank |" + (" model | peak GPU MiB |" if gpu else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if gpu else "")]
     for name, row in result["rows"].items():
         for impl in IMPLS:
             note = row[impl]["note"] if impl in row else ""
             label = f"{impl} (FSDP2 forced)†" if note.startswith("FSDP2 forced") else impl
-            lines.append(f"| {name} | {label} | " + " | ".join(_cells(row.get(impl))) + " |")
+            lines.append(f"| {name} | {label} | " + " | ".join(_cells(row.get(impl), gpu)) + " |")
     imports = result["import_ms"]
     lines.append("")
-    if any(row.get("accelerate", {}).get("note") for row in result["rows"].values()):
+    if any(row.get("accelerate", {}).get("note", "").startswith("FSDP2 forced")
+           for row in result["rows"].values()):
         lines.append("- † Accelerate on CPU takes a FullyShardedDataParallelPlugin(fsdp_version=2) "
                      "and silently wraps in DDP (distributed_type MULTI_CPU); its FSDP2 path was "
                      "forced by setting AcceleratorState.distributed_type = FSDP after construction.")
@@ -487,13 +584,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="batches per block and round (at least one accumulation window)")
     parser.add_argument("--fresh", type=int, default=2, help="fresh-process rounds per row")
     parser.add_argument("--rows", help=f"a subset of {','.join(ROWS)} (default: all but "
-                        "fsdp2-bf16; --quick: the fp32 rows)")
+                        "fsdp2-bf16; --quick: the fp32 rows; --device cuda: all)")
     parser.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "compare.json"),
                         help="where the results go (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: fp32 rows, 2 rounds of 1 batch, 1 fresh round, "
-                        "unless given")
+                        help="a smoke run: fp32 rows (every row with --device cuda), 2 rounds "
+                        "of 1 batch, 1 fresh round, unless given")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per job")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one rank with NCCL on cuda:0 (default: %(default)s, 2 gloo ranks)")
     args = parser.parse_args(argv)
     if args.quick:
         given = argv if argv is not None else sys.argv[1:]
@@ -502,15 +601,28 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                 setattr(args, flag[2:], value)
     args.rows = args.rows or ",".join(
         name for name, row in ROWS.items()
-        if (row.precision == "fp32" if args.quick else row.default))
+        if args.device == "cuda" or (row.precision == "fp32" if args.quick else row.default))
     unknown = set(args.rows.split(",")) - set(ROWS)
     if unknown:
         parser.error(f"--rows: unknown {sorted(unknown)}; accepted: {', '.join(ROWS)}")
     return args
 
 
+def cuda_device_name() -> str:
+    """The name of cuda:0, or "" without CUDA. Asked of a fresh interpreter: a parent that
+    has initialised CUDA cannot fork workers that use it."""
+    code = "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False).stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    gpu = cuda_device_name() if args.device == "cuda" else ""
+    if args.device == "cuda" and not gpu:
+        print("compare.py --device cuda: no CUDA device here; run it on a machine with an "
+              "NVIDIA GPU and a CUDA build of torch", file=sys.stderr)
+        sys.exit(2)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     impls = [i for i in IMPLS if i != "accelerate" or importlib.util.find_spec("accelerate")]
     started = time.monotonic()
@@ -525,7 +637,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     if not args.quick:  # the first fork after the imports is slower: a job not counted
-        launch(first_step_job, "hand-written", ROWS["ddp"], timeout=args.timeout)
+        launch(first_step_job, "hand-written", ROWS["ddp"], args.device,
+               size=world(args.device), timeout=args.timeout)
     rows = {}
     for name in args.rows.split(","):
         rows[name] = run_row(ROWS[name], impls, args)
@@ -536,7 +649,8 @@ def main(argv: list[str] | None = None) -> None:
         versions["accelerate"] = accelerate.__version__
     result = {
         "command": " ".join(["python", *sys.argv]), "date": datetime.date.today().isoformat(),
-        "versions": versions, "cpus": os.cpu_count(), "world_size": WORLD, "model": MODEL,
+        "versions": versions, "cpus": os.cpu_count(), **({"gpu": gpu} if gpu else {}),
+        "world_size": world(args.device), "model": MODEL,
         "batch_per_rank": [BATCH, SEQ], "lr": LR, "wall_s": time.monotonic() - started,
         "import_ms": {impl: _summary([t * 1e3 for t in v]) for impl, v in imports.items()},
         "rows": rows,
@@ -544,7 +658,7 @@ def main(argv: list[str] | None = None) -> None:
     result["misses"] = misses(rows)
     with open(args.json, "w") as file:
         json.dump(result, file, indent=1)
-    print(table(result))
+    print(table(result, args.device))
     print("\ntargets: shardwise / hand-written <= 1.01 on every row, never slower than Accelerate")
     for line in result["misses"] or ["all met"]:
         print(f"  {line}")

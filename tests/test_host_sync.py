@@ -84,9 +84,11 @@ def test_the_default_step_reads_only_the_previous_steps_flag():
 
 
 def test_the_counter_sees_a_read_where_one_happens():
-    # "skip" decides on the host at the step: the same counter must see that read
-    model, opt = lm_and_adamw()
-    bundle = sw.pipeline(ONE, on_nonfinite="skip")(model, opt)
+    # "skip" decides on the host at the step: the same counter must see that read (SGD's
+    # for-loop, kept under "skip", reads nothing itself)
+    model, _ = lm_and_adamw()
+    bundle = sw.pipeline(ONE, on_nonfinite="skip")(model, torch.optim.SGD(model.parameters(),
+                                                                          lr=0.1))
     calls, _ = reads_per_call(bundle, token_batches(3))
     assert [c[2] for c in calls] == [1, 1, 1]
     # so does an optimizer whose implementation the user chose (SGD's for-loop reads nothing
@@ -309,3 +311,49 @@ def test_the_default_step_does_not_synchronise_with_the_gpu():
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert syncs == [] and bundle.check(state).step == 6
+
+
+def test_an_error_raised_at_the_step_gives_the_state_to_continue_from_too():
+    # no fused kernel: the step that saw the value raises itself, its window already cleared
+    model, _ = lm_and_adamw()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    bundle = sw.pipeline(ONE, sw.accumulate_gradients(2))(model, opt, loss_fn=nan_loss)
+    state, raised = bundle.init(), []
+    for batch in scaled(token_batches(6), bad_at=3):
+        try:
+            state, _ = bundle.step(state, batch)
+        except NonFiniteError as exc:
+            raised.append(exc.state)
+            state = exc.state
+    assert len(raised) == 1 and raised[0].window_batches == 0
+    assert (state.step, state.micro_step, state.skipped_steps) == (3, 6, 1)
+
+
+def test_skip_and_fp16_pipelines_leave_the_optimizer_alone():
+    model, opt = lm_and_adamw()
+    pipe = sw.pipeline(ONE, on_nonfinite="skip")
+    assert "keeps its implementation: under on_nonfinite='skip'" in pipe.explain(model, opt)
+    pipe(model, opt)
+    assert opt.param_groups[0]["fused"] is None
+    model, opt = lm_and_adamw()
+    sw.pipeline(sw.Env(precisions=("fp32", "bf16", "fp16")), sw.mixed_precision("fp16"))(model, opt)
+    assert opt.param_groups[0]["fused"] is None
+
+
+def test_a_subclass_is_not_switched_and_explain_says_how_to_get_the_kernel():
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    model, _ = lm_and_adamw()
+    opt = MyAdamW(model.parameters(), lr=1e-2)
+    assert "MyAdamW, a subclass, is not switched" in sw.pipeline(ONE).explain(model, opt)
+    sw.pipeline(ONE)(model, opt)
+    assert opt.param_groups[0]["fused"] is None
+
+
+def test_step_and_check_refuse_what_is_not_a_train_state():
+    model, opt = lm_and_adamw()
+    bundle = sw.pipeline(ONE)(model, opt)
+    for call in (lambda: bundle.check({"step": 0}), lambda: bundle.step(None, token_batches(1)[0])):
+        with pytest.raises(sw.errors.ArgumentError, match="'state' must be a TrainState .* got"):
+            call()

@@ -10,13 +10,21 @@ from typing import Any
 import attrs
 import torch
 
+from shardwise._text import short
 from shardwise.engines import Engine, LocalEngine
 from shardwise.env import Env, detect
+from shardwise.errors import ArgumentError
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, StepOutput, TrainState
 from shardwise.step import Stepper, predict
 
 __all__ = ["Bundle", "Plan", "OnNonFinite", "LossFn"]
+
+
+def _check_state(state: Any, where: str) -> None:
+    if not isinstance(state, TrainState):
+        raise ArgumentError(f"Bundle.{where} 'state' must be a TrainState (bundle.init(), or "
+                            f"what step() returned); got {type(state).__name__}: {short(state)}")
 
 
 @attrs.frozen
@@ -94,6 +102,7 @@ class Bundle:
             LossError: no loss could be found; pass ``loss_fn``.
             NonFiniteError: a non-finite loss/gradient under ``on_nonfinite="raise"``.
         """
+        _check_state(state, "step()")
         return self._stepper.step(state, batch, on_nonfinite)
 
     def check(self, state: TrainState) -> TrainState:
@@ -109,6 +118,7 @@ class Bundle:
             NonFiniteError: that step saw a non-finite loss or gradient; its update was not
                 applied. Its ``state`` is the one to continue from, if you do.
         """
+        _check_state(state, "check()")
         if state.pending_check is None:
             return state
         self._stepper.settle(state, state.micro_step)

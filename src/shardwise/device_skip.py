@@ -54,6 +54,9 @@ def fused_kernel_choice(optimizer: torch.optim.Optimizer, model: torch.nn.Module
     if skips_on_device(optimizer):
         return False, f"{name} skips non-finite steps on the device (its fused kernel)"
     host = "the finiteness flag is read on the host at each optimizer step"
+    if isinstance(optimizer, _FUSED) and type(optimizer) not in _FUSED:
+        return False, (f"{name}, a subclass, is not switched: {host}; fused=True skips on "
+                       "the device")
     if type(optimizer) not in _FUSED:
         return False, f"{name} has no fused kernel that skips on the device: {host}"
     groups = optimizer.param_groups

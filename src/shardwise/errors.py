@@ -61,10 +61,10 @@ class LossError(ShardwiseError, TypeError):
 class NonFiniteError(ShardwiseError, ValueError):
     """A loss or gradient was NaN or infinite and ``on_nonfinite="raise"``.
 
-    ``state``: where an earlier step's check was read late (its update skipped on the
-    device), the :class:`~shardwise.TrainState` to continue from if you catch the error:
-    that step counted in ``skipped_steps``, its check cleared. None where the step that saw
-    the value raised itself: continue from the state you passed it.
+    ``state``: the :class:`~shardwise.TrainState` to continue from if you catch the error
+    (raised by ``step()``): the step that saw the value counted in ``skipped_steps``, its
+    window closed, its check cleared (None when raised by ``sw.save``/``bundle.check``
+    directly on a state you hold: that is where ``exc.state`` comes from too).
     """
 
     def __init__(self, message: str, state: Any = None) -> None:

@@ -21,7 +21,7 @@ from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError, ConfigError, ConflictError, ShardwiseError
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, check_on_nonfinite
-from shardwise.transforms.base import Stage, Transform, check_combination
+from shardwise.transforms.base import Stage, Transform, check_combination, plan_of
 from shardwise.transforms.distribute_data import DistributeData, distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
 from shardwise.transforms.place import Place, place
@@ -164,9 +164,18 @@ class Pipeline:
             lines.append(f"  sw.fit(bundle, **pipe.fit_options): {shown}")
         return "\n".join(lines)
 
+    def _late_check(self, plan: Plan) -> bool:
+        """Whether the step may read the finiteness flag late: "raise", and no fp16 scaler
+        (the switch to a fused kernel buys nothing otherwise, so it is not made)."""
+        return self.on_nonfinite == "raise" and plan.precision != "fp16"
+
     def _kernel(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
         """What the step does with ``optimizer`` under the resolved pipeline, in words."""
         transforms = self.resolve(model, optimizer).transforms
+        if not self._late_check(plan_of(transforms)):
+            return (f"{type(optimizer).__name__} keeps its implementation: under "
+                    f"on_nonfinite={self.on_nonfinite!r} or fp16 the finiteness flag is read "
+                    "on the host at each optimizer step")
         own = [t for t in transforms if t.factory_name in ("shard_optimizer", "deepspeed")]
         if own and self.env.is_distributed or any(t.factory_name == "deepspeed" for t in own):
             return (f"{type(optimizer).__name__} keeps its implementation under "
@@ -199,7 +208,8 @@ class Pipeline:
         for transform in resolved.transforms:
             bundle = transform(bundle)
         engine = bundle.engine
-        if optimizer is not None and not engine.owns_optimizer and engine.sharded_optimizer is None:
+        if (optimizer is not None and not engine.owns_optimizer
+                and engine.sharded_optimizer is None and self._late_check(bundle.plan)):
             # after every stage: ZeRO-1 and DeepSpeed keep the user's implementation
             log.info("optimizer: %s", use_fused_kernel(optimizer, bundle.model))
         return bundle

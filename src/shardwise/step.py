@@ -339,9 +339,16 @@ class Stepper:
                 self.settle(state, micro)
             norm, skipped, pending = None, False, None
             if boundary:
-                norm, skipped, pending = self.update(
-                    state, total, batches, losses, on_nonfinite or self.plan.on_nonfinite,
-                    read_now=epoch_end)
+                try:
+                    norm, skipped, pending = self.update(
+                        state, total, batches, losses, on_nonfinite or self.plan.on_nonfinite,
+                        read_now=epoch_end)
+                except NonFiniteError as exc:  # raised at the step: its window is gone
+                    exc.state = TrainState(
+                        step=state.step + 1, micro_step=micro, epoch=epoch,
+                        batch_in_epoch=batch_in_epoch, skipped_steps=state.skipped_steps + 1,
+                        synced=state.synced or no_sync is None)
+                    raise
         next_state = TrainState(
             step=state.step + boundary, micro_step=micro, epoch=epoch,
             batch_in_epoch=batch_in_epoch, skipped_steps=state.skipped_steps + skipped,

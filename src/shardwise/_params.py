@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from shardwise.errors import OptimizerError
@@ -16,6 +18,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
     return model
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is FSDP2's DTensor (a parameter, gradient or shard of one). Imports
+    nothing: a DTensor exists only once ``torch.distributed.tensor`` has been imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def clean_name(name: str) -> str:

@@ -13,12 +13,12 @@ its own forward and backward: by then the copy is long done.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
+from shardwise._params import is_dtensor
 from shardwise.state import PendingCheck
 
 __all__ = ["fused_kernel_choice", "use_fused_kernel", "skips_on_device", "ready_to_skip",
@@ -31,11 +31,6 @@ _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 def _sparse(model: torch.nn.Module) -> bool:
     return any(getattr(m, "sparse", False) is True for m in model.modules()
                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
-
-
-def _dtensor(tensor: torch.Tensor) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")  # imported by whoever made one
-    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def fused_kernel_choice(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
@@ -71,7 +66,7 @@ def fused_kernel_choice(optimizer: torch.optim.Optimizer, model: torch.nn.Module
         "a Tensor learning rate" if any(isinstance(g.get("lr"), torch.Tensor) for g in groups)
         else "a sparse embedding" if _sparse(model) else
         "FSDP2's DTensor parameters, which torch's fused SGD does not take"
-        if sgd and (sharded or any(_dtensor(p) for p in params)) else
+        if sgd and (sharded or any(is_dtensor(p) for p in params)) else
         "a parameter that is not a real floating-point tensor on a supported device"
         if not all(p.is_floating_point() and p.device.type in supported for p in params)
         else None)

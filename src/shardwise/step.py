@@ -95,7 +95,7 @@ def predict(model: torch.nn.Module, batch: Any, *, precision: precisions.Precisi
 
 class Stepper:
     """Runs ``Bundle.step``. Built from the bundle's fields and holding nothing that changes
-    between calls (only scratch tensors it zeroes before each use): everything that must
+    between calls (only constant tensors of 1, one per device): everything that must
     survive from one micro-batch to the next is in the :class:`TrainState`, so two steppers
     over the same objects train identically.
     """
@@ -119,7 +119,7 @@ class Stepper:
         self.epoch_length = self.loader.epoch_length() if self.loader is not None else None
         self.move = loader is None and env.device.type != "cpu"
         self.device = env.device
-        self.scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.units: dict[torch.device, torch.Tensor] = {}  # the check's scale of 1, per device
         self.phase = ""  # where in the step we are, for naming a failed collective
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
@@ -200,9 +200,9 @@ class Stepper:
         # this rank's part of each gradient: one reduction below serves shards and losses
         grads = [self.engine.local(p.grad) for p in self.params if p.grad is not None]
         device = grads[0].device if grads else losses.device
-        if device not in self.scratch:
-            self.scratch[device] = (torch.zeros((), device=device), torch.ones((), device=device))
-        unit = self.scratch[device][1]
+        if device not in self.units:
+            self.units[device] = torch.ones((), device=device)
+        unit = self.units[device]
         flag = torch.zeros((), device=device)  # new each step: a pending check keeps it
         # the losses' sum joins the same call where it can (scaled by 1, unchanged); the
         # check sets the flag to 1.0, never adds: a fused kernel skips only on exactly 1.0

@@ -13,6 +13,7 @@ import attrs
 import torch
 from torch import nn
 
+from shardwise._params import is_dtensor
 from shardwise.engines.base import Engine, MemoryParts, NoSync, state_bytes
 from shardwise.env import Env
 from shardwise.policies import Policy, select
@@ -36,12 +37,6 @@ def _without_gradient_sync(model: Any) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 @attrs.frozen
@@ -76,10 +71,10 @@ class FSDPEngine(Engine):
         return functools.partial(_without_gradient_sync, model)
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+        return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
     def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.full_tensor() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+        return tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
     def memory(self, model: nn.Module, env: Env, *, trained: set[int],
                optimizer_layout: tuple[float, float], precision_bytes: int,

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
     from shardwise.transforms.replicate import replicate
     from shardwise.transforms.shard import shard
     from shardwise.transforms.shard_optimizer import shard_optimizer
+    from shardwise.transforms.tensor_parallel import tensor_parallel
 
 #: every public name and the module it comes from, imported on first use: ``import
 #: shardwise`` imports nothing heavy (not even torch), so ``shardwise --help`` starts at once
@@ -64,7 +65,8 @@ _LAZY = {
     "TrainState": "shardwise.state",
     **dict.fromkeys(["Transform", "accumulate_gradients", "checkpoint_activations",
                      "clip_gradients", "deepspeed", "distribute_data", "mixed_precision",
-                     "offload", "place", "replicate", "shard", "shard_optimizer"],
+                     "offload", "place", "replicate", "shard", "shard_optimizer",
+                     "tensor_parallel"],
                     "shardwise.transforms"),
     **dict.fromkeys(["from_config", "from_ddp_args", "from_training_args"],
                     "shardwise.configured"),
@@ -136,6 +138,7 @@ __all__ = [
     "save",
     "shard",
     "shard_optimizer",
+    "tensor_parallel",
     "to_device",
 ]
 

@@ -58,6 +58,9 @@ class Bundle:
     scaler: torch.amp.GradScaler | None = None
     engine: Engine = attrs.field(factory=LocalEngine)
     eval_loader: Iterable[Any] | None = None
+    mesh: Any = None
+    """The pipeline's ``DeviceMesh`` with named dimensions (``dp_replicate``, ``dp_shard``,
+    ``tp``) when ``tensor_parallel`` is in it, else None (``shard()`` builds its own)."""
 
     @property
     def sharded_optimizer(self) -> torch.optim.Optimizer | None:

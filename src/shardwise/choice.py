@@ -55,7 +55,9 @@ def _candidates(env: Env, given: list[Transform]) -> list[tuple[str, list[Transf
     no_offload = any(isinstance(t, Offload) for t in given) or env.device.type == "cpu"
     ckpt: list[Transform] = [] if has_ckpt else [checkpoint_activations()]
     out: list[tuple[str, list[Transform]]] = [("replicate", [replicate()])]
-    if any(isinstance(t, ShardOptimizer) for t in given):
+    if any(t.factory_name == "tensor_parallel" for t in given):
+        out = []  # DDP cannot run split (DTensor) layers: the data ranks are sharded
+    elif any(isinstance(t, ShardOptimizer) for t in given):
         return out  # ZeRO-1 shards the optimizer of a replicated model only
     out.append(("shard", [shard()]))
     if ckpt:

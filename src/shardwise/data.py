@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import (
     DataLoader,
@@ -20,7 +21,7 @@ from torch.utils.data import (
 from shardwise.env import Env
 from shardwise.errors import DataError
 
-__all__ = ["DeviceLoader", "ResumableSampler", "to_device", "shard_loader"]
+__all__ = ["DeviceLoader", "ResumableSampler", "to_device", "shard_loader", "same_batch"]
 
 
 class ResumableSampler(DistributedSampler[Any]):
@@ -187,18 +188,30 @@ def _unsplittable(loader: Iterable[Any]) -> str | None:
 
 
 def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
-                 pin_memory: bool = False) -> Iterable[Any]:
+                 pin_memory: bool = False, copies: int = 1) -> Iterable[Any]:
     """A copy of ``loader`` whose sampler is a ``DistributedSampler`` for ``env``.
 
     Keeps batch_size, shuffle, drop_last, collate_fn, workers and the rest. The shuffling
     order comes from ``seed`` and the epoch (not from torch's global RNG), in one process
     too, so one process and N ranks read the same global batches. A loader that already has
     a ``DistributedSampler`` is kept; in one process, so is a loader that cannot be split.
+    ``copies`` consecutive ranks (a tensor-parallel group) read the same share: the data is
+    split over ``world_size // copies`` ranks.
 
     Raises:
-        DataError: several ranks and a loader that cannot be split across them.
+        DataError: several ranks and a loader that cannot be split across them, or a
+            ``DistributedSampler`` of the user's that splits over other ranks than the data's.
     """
-    if isinstance(getattr(loader, "sampler", None), DistributedSampler):
+    shares, share = env.world_size // copies, env.rank // copies
+    sampler_given = getattr(loader, "sampler", None)
+    if isinstance(sampler_given, DistributedSampler):
+        if copies > 1 and (sampler_given.num_replicas, sampler_given.rank) != (shares, share):
+            raise DataError(
+                f"the loader's DistributedSampler splits the data over num_replicas="
+                f"{sampler_given.num_replicas} (this rank: {sampler_given.rank}), but with "
+                f"tensor-parallel groups of {copies} the data ranks are {shares} (this rank "
+                f"reads share {share}); build it with num_replicas={shares}, "
+                f"rank={share}, or pass a loader built with shuffle=True/False")
         return loader
     problem = _unsplittable(loader)
     if problem is not None:
@@ -207,7 +220,7 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
         return loader
     assert isinstance(loader, DataLoader)
     sampler = ResumableSampler(
-        loader.dataset, num_replicas=env.world_size, rank=env.rank,
+        loader.dataset, num_replicas=shares, rank=share,
         shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last)
     extra: dict[str, Any] = {}
     if loader.num_workers > 0:
@@ -228,3 +241,35 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
         # resumed run consumes random numbers exactly as an uninterrupted one
         generator=loader.generator if loader.generator is not None else torch.Generator(),
         **extra)
+
+
+def _fingerprint(batch: Any, device: torch.device) -> torch.Tensor:
+    """Four numbers that differ between batches: tensors, elements, sum, position-weighted sum."""
+    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    values = [t.detach().to(device, torch.float64).flatten() for t in leaves]
+    flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64, device=device)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=device)
+    return torch.stack([torch.tensor(float(len(leaves)), dtype=torch.float64, device=device),
+                        torch.tensor(float(flat.numel()), dtype=torch.float64, device=device),
+                        flat.sum(), (flat * weights).sum()])
+
+
+def same_batch(batch: Any, copies: int, device: torch.device) -> None:
+    """Check that the ``copies`` consecutive ranks of each tensor-parallel group were given the
+    same batch (one all-gather and one host read; the step does it on its first call).
+
+    Raises:
+        DataError: naming the ranks whose batches differ.
+    """
+    mine = _fingerprint(batch, device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    prints = torch.stack(every).tolist()
+    for start in range(0, len(prints), copies):
+        group = prints[start:start + copies]
+        if any(p != group[0] for p in group[1:]):
+            raise DataError(
+                f"ranks {start}..{start + copies - 1} form one tensor-parallel group and must "
+                "be given the same batch, but their first batches differ; iterate "
+                "bundle.loader (split over the data ranks only), or give every rank of a "
+                f"group the batch of data rank rank // {copies}")

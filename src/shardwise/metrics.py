@@ -30,6 +30,16 @@ def _joined() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _copies(loader: Iterable[Any] | None, world: int) -> int:
+    """Ranks that read each batch of ``loader``: a tensor-parallel group's (its sampler splits
+    over the data ranks only), else 1."""
+    replicas = getattr(getattr(loader, "sampler", None), "num_replicas", None)
+    if isinstance(loader, DeviceLoader) and isinstance(replicas, int) and 0 < replicas < world \
+            and world % replicas == 0:
+        return world // replicas
+    return 1
+
+
 def _real_items(loader: Iterable[Any] | None, world: int) -> list[int] | None:
     """Items of the current batch that are real samples (not padding) on each rank, or None
     when every item is real (or the loader does not say)."""
@@ -71,7 +81,8 @@ def gather_for_metrics(values: Any, loader: Iterable[Any] | None = None) -> Any:
     the batch (a 0-dim tensor counts as one item per rank). Call it on every rank, once per
     batch of ``loader`` (the bundle's ``eval_loader`` or ``loader``), right after the batch;
     the result is the whole global batch in rank order, on this rank's device. In one
-    process the values come back as they are.
+    process the values come back as they are. Under ``tensor_parallel`` the ranks of a group
+    hold the same batch: pass the loader, and each group's values are kept once.
 
     Raises:
         DataError: shapes differ between ranks beyond being a batch of the same size.
@@ -85,14 +96,15 @@ def gather_for_metrics(values: Any, loader: Iterable[Any] | None = None) -> Any:
     if not _joined():
         return values
     world = dist.get_world_size()
-    keep = _real_items(loader, world)
+    copies = _copies(loader, world)
+    keep = _real_items(loader, world // copies)
     leaves, spec = tree_flatten(values)
     gathered = []
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             gathered.append(leaf)
             continue
-        parts = _gather(leaf, world)
+        parts = _gather(leaf, world)[::copies]  # one rank of each tensor-parallel group
         if keep is not None and leaf.ndim > 0:
             parts = [part[:count] for part, count in zip(parts, keep, strict=True)]
         gathered.append(torch.cat(parts))

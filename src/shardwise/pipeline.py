@@ -19,6 +19,8 @@ from shardwise.device_skip import fused_kernel_choice, use_fused_kernel
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError, ConfigError, ConflictError, ShardwiseError
+from shardwise.mesh import build as build_mesh
+from shardwise.mesh import layout_of as mesh_layout_of
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, check_on_nonfinite
 from shardwise.transforms.base import Stage, Transform, check_combination, plan_of
@@ -133,13 +135,15 @@ class Pipeline:
                 text += f"\n  optimizer: {self._kernel(model, optimizer)}"
             return text
         env = self.env
+        plan = plan_of(self.transforms)
         lines = [f"shardwise pipeline: {env.world_size} process(es) ({env.launcher}), "
                  f"rank {env.rank}, device {env.device}, backend {env.backend}"]
         for i, step in enumerate(self.steps, 1):
             t = step.transform
             why = f"  [{step.reason}]" if step.reason else ""
             lines.append(f"  {i}. {t.stage.name.lower():<12} {t!r}{why}")
-            lines.append(f"     {'':<12} -> {t.describe(env)}")
+            lines.append(f"     {'':<12} -> {t.describe_in(env, plan)}")
+        lines += _mesh_lines(env, self.transforms)
         if self.choose_distribution:
             lines.append(f"  distribution: chosen per model when called ({env.world_size} "
                          "processes, none given): replicate if it fits in "
@@ -202,9 +206,12 @@ class Pipeline:
         refuse_state(optimizer)
         resolved = self.resolve(model, optimizer, loader=loader)
         ensure_process_group(self.env)
+        mesh = mesh_layout_of(self.env, resolved.transforms)
         bundle = Bundle(model=model, optimizer=optimizer, loader=loader, eval_loader=eval_loader,
                         scheduler=scheduler,
-                        env=self.env, plan=Plan(on_nonfinite=self.on_nonfinite), loss_fn=loss_fn)
+                        env=self.env, plan=Plan(on_nonfinite=self.on_nonfinite), loss_fn=loss_fn,
+                        mesh=build_mesh(self.env, mesh) if mesh and self.env.is_distributed
+                        else None)
         for transform in resolved.transforms:
             bundle = transform(bundle)
         engine = bundle.engine
@@ -213,6 +220,19 @@ class Pipeline:
             # after every stage: ZeRO-1 and DeepSpeed keep the user's implementation
             log.info("optimizer: %s", use_fused_kernel(optimizer, bundle.model))
         return bundle
+
+
+def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
+    """The mesh, its dimensions and why, when the pipeline has more than one."""
+    mesh = mesh_layout_of(env, transforms)
+    if mesh is None or not env.is_distributed:
+        return []
+    data = mesh.data_ranks(env.world_size)
+    return [f"  mesh: {mesh.describe()} over {env.world_size} ranks; tp innermost: the "
+            f"{mesh.tp} ranks of a tensor-parallel group are consecutive (on one node), as "
+            "their collectives run in every layer; data split over "
+            f"{' x '.join(mesh.data_names)} ({data} share(s) of each global batch, rank r "
+            f"reads share r // {mesh.tp})"]
 
 
 def _check_call(model: Any, optimizer: Any, loader: Any, scheduler: Any, loss_fn: Any,
@@ -347,6 +367,9 @@ def assemble(env: Env, given: list[Transform], config: ConfigResult | None, *,
     steps = [*(Step(t, "config", reason) for t in configured), *(Step(t) for t in given)]
     steps += _defaults(env, transforms)
     steps.sort(key=lambda s: s.transform.stage)  # stable: user order kept within a stage
-    choose = env.is_distributed and not any(t.stage == Stage.DISTRIBUTION for t in transforms)
+    mesh = mesh_layout_of(env, transforms)
+    # a tensor-parallel group as large as the world leaves no data dimension to distribute
+    choose = env.is_distributed and not any(t.stage == Stage.DISTRIBUTION for t in transforms) \
+        and not (mesh is not None and mesh.tp == env.world_size)
     return Pipeline(env=env, steps=tuple(steps), on_nonfinite=on_nonfinite,
                     choose_distribution=choose, notes=notes, fit_options=fit_options or {})

@@ -34,6 +34,8 @@ class Plan:
         norm_type: the p of the p-norm used for clipping.
         on_nonfinite: what a NaN/inf loss or gradient does in fp32/bf16.
         offload: parameters, gradients and the optimizer step live on the CPU (needs shard).
+        tensor_parallel: the ``tensor_parallel`` transform, whose size and plan the data
+            split, ``shard()`` and the memory estimate read (None: no tensor parallelism).
         applied: the transforms applied so far, in order.
     """
 
@@ -44,4 +46,5 @@ class Plan:
     norm_type: float = 2.0
     on_nonfinite: OnNonFinite = "raise"
     offload: bool = False
+    tensor_parallel: Any = None
     applied: tuple[Any, ...] = ()

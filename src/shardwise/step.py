@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise import precision as precisions
-from shardwise.data import DeviceLoader, to_device
+from shardwise.data import DeviceLoader, same_batch, to_device
 from shardwise.device_skip import defer, ready_to_skip, skips_on_device
 from shardwise.distributed import collective_failure
 from shardwise.engines.base import Engine
@@ -112,8 +112,12 @@ class Stepper:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         # where the optimizer updates (the CPU under offload): the flag it takes must be there
         self.param_device = engine.local(self.params[0]).device if self.params else env.device
-        # gradients arrive averaged over ranks when a wrapper synchronises them
+        # gradients arrive averaged over ranks when a wrapper synchronises them; the ranks of
+        # a tensor-parallel group (copies) read the same batch: counts summed over all ranks
+        # hold each batch that often
         self.ranks = engine.gradient_ranks(env) if dist.is_initialized() else 1
+        self.copies = engine.batch_copies(env) if dist.is_initialized() else 1
+        self.synced = self.ranks * self.copies  # ranks the step's collectives run over
         self.loader = loader if isinstance(loader, DeviceLoader) else None
         # batches per epoch of bundle.loader (None: unknown, no epoch ends are seen)
         self.epoch_length = self.loader.epoch_length() if self.loader is not None else None
@@ -172,10 +176,10 @@ class Stepper:
 
     def normalise(self, total: torch.Tensor) -> None:
         """Divide summed gradients by the items of the whole window on all ranks."""
-        if self.ranks > 1:
+        if self.synced > 1:
             dist.all_reduce(total)
         grads = [self.engine.local(p.grad) for p in self.params if p.grad is not None]
-        factor = (self.ranks / total).to(torch.float32)
+        factor = (self.synced / total).to(torch.float32)
         torch._foreach_mul_(grads, factor.to(grads[0].device) if grads else factor)
 
     def check_grads(self, losses: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -189,12 +193,10 @@ class Stepper:
         """
         plan = self.plan
         if plan.max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, plan.max_grad_norm,
-                                                  norm_type=plan.norm_type)
-            norm = self.engine.full(norm)
+            norm = self.engine.clip(self.params, plan.max_grad_norm, plan.norm_type)
             bad = ~torch.isfinite(norm) | ~torch.isfinite(losses).to(norm.device)
-            flag = bad.to(self.device if self.ranks > 1 else norm.device, torch.float32)
-            if self.ranks > 1:  # on the backend's device (NCCL), also for offloaded gradients
+            flag = bad.to(self.device if self.synced > 1 else norm.device, torch.float32)
+            if self.synced > 1:  # on the backend's device (NCCL), also for offloaded gradients
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             return norm, flag
         # this rank's part of each gradient: one reduction below serves shards and losses
@@ -213,7 +215,7 @@ class Stepper:
             torch._amp_foreach_non_finite_check_and_unscale_(checked, flag, unit)
         if not joins:
             flag.add_((~torch.isfinite(losses)).to(device, torch.float32)).clamp_(max=1.0)
-        if self.ranks > 1:
+        if self.synced > 1:
             flag = flag.to(self.device)  # offloaded gradients: the backend's device (NCCL)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return None, flag
@@ -312,7 +314,7 @@ class Stepper:
             yield
         except RuntimeError as exc:
             failure = collective_failure(exc, f"optimizer step {state.step + 1} (micro-step "
-                                              f"{micro}), {self.phase}") if self.ranks > 1 else None
+                                              f"{micro}), {self.phase}") if self.synced > 1 else None
             if failure is None:
                 raise
             raise failure from exc
@@ -326,6 +328,10 @@ class Stepper:
         boundary = batches == self.window or (epoch_end and self.plan.close_at_epoch_end)
         if self.move:
             batch = to_device(batch, self.device)
+        if self.copies > 1 and state.micro_step == 0:
+            self.phase = "checking the first batch across a tensor-parallel group"
+            with self.naming_failures(state, micro):
+                same_batch(batch, self.copies, self.device)
         no_sync = None if boundary else self.engine.no_sync(self.model, state)
         self.phase = "forward and backward"
         with self.naming_failures(state, micro):

@@ -10,5 +10,6 @@ from shardwise.engines.base import Engine, MemoryParts
 from shardwise.engines.ddp import DDPEngine
 from shardwise.engines.fsdp import FSDPEngine
 from shardwise.engines.local import LocalEngine
+from shardwise.engines.tp import TPEngine
 
-__all__ = ["Engine", "MemoryParts", "LocalEngine", "DDPEngine", "FSDPEngine"]
+__all__ = ["Engine", "MemoryParts", "LocalEngine", "DDPEngine", "FSDPEngine", "TPEngine"]

@@ -39,7 +39,8 @@ class MemoryParts:
 
 def state_bytes(model: nn.Module, trained: set[int], optimizer_layout: tuple[float, float], *,
                 numel: Callable[[torch.Tensor], int], full_grads: bool = False,
-                optimizer_ranks: int = 1) -> tuple[int, int, int]:
+                optimizer_ranks: int = 1,
+                full_numel: Callable[[torch.Tensor], int] = torch.numel) -> tuple[int, int, int]:
     """Bytes of parameters (and buffers), fp32 gradients and optimizer state on one rank.
 
     Args:
@@ -49,12 +50,14 @@ def state_bytes(model: nn.Module, trained: set[int], optimizer_layout: tuple[flo
         numel: elements of a parameter held by this rank.
         full_grads: gradients are held whole (accumulating without reduction), not sharded.
         optimizer_ranks: ranks the optimizer state is split over (ZeRO-1).
+        full_numel: elements of a parameter before data-parallel sharding (its
+            tensor-parallel part, when split across a group).
     """
     params = list(model.parameters())
     held = {id(p): numel(p) for p in params}
     param_bytes = sum(held[id(p)] * p.element_size() for p in params)
     param_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
-    grads = sum(p.numel() if full_grads else held[id(p)] for p in params if id(p) in trained)
+    grads = sum(full_numel(p) if full_grads else held[id(p)] for p in params if id(p) in trained)
     per_element, per_tensor = optimizer_layout
     opt = int(sum(per_element * held[id(p)] + per_tensor for p in params if id(p) in trained))
     if optimizer_ranks > 1:
@@ -115,6 +118,16 @@ class Engine:
     def gradient_ranks(self, env: Env) -> int:
         """How many ranks' gradients arrive averaged in ``.grad`` after a synchronised backward."""
         return 1
+
+    def batch_copies(self, env: Env) -> int:
+        """How many ranks read each batch: the ranks of a tensor-parallel group (else 1)."""
+        return 1
+
+    def clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip the gradients of ``params`` to a total norm of ``max_norm``; return the norm
+        before clipping, whole on every rank."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return self.full(norm)
 
     def no_sync(self, model: nn.Module, state: TrainState) -> NoSync | None:
         """The context that skips gradient reduction for a micro-batch before a window's last,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import attrs
@@ -15,6 +15,7 @@ from torch import nn
 
 from shardwise._params import is_dtensor
 from shardwise.engines.base import Engine, MemoryParts, NoSync, state_bytes
+from shardwise.engines.tp import clip_across_meshes, tp_numel
 from shardwise.env import Env
 from shardwise.policies import Policy, select
 from shardwise.state import TrainState
@@ -22,12 +23,14 @@ from shardwise.state import TrainState
 __all__ = ["FSDPEngine", "shard_numel"]
 
 
-def shard_numel(param: torch.Tensor, ranks: int) -> int:
-    """Elements of the largest shard of ``param`` when FSDP2 splits dim 0 over ``ranks``."""
-    if param.ndim == 0:
+def shard_numel(param: torch.Tensor | tuple[int, ...], ranks: int) -> int:
+    """Elements of the largest shard of ``param`` (or of a tensor of that shape) when FSDP2
+    splits dim 0 over ``ranks``."""
+    shape = tuple(param.shape) if isinstance(param, torch.Tensor) else param
+    if not shape:
         return 1
-    rest = param.numel() // max(param.shape[0], 1)
-    return math.ceil(param.shape[0] / ranks) * rest
+    rest = math.prod(shape[1:])
+    return math.ceil(shape[0] / ranks) * rest
 
 
 @contextlib.contextmanager
@@ -50,6 +53,8 @@ class FSDPEngine(Engine):
         reshard_after_forward: free gathered block parameters after forward (ZeRO-3).
         sync_each_batch: reduce-scatter every micro-batch of a window.
         offload: sharded state kept in host memory (``CPUOffloadPolicy``).
+        tp: ranks of each tensor-parallel group (2-D/3-D mesh); data ranks are the rest.
+        tensor_parallel: the tensor_parallel transform, for the memory estimate.
     """
 
     world_size: int
@@ -58,12 +63,22 @@ class FSDPEngine(Engine):
     reshard_after_forward: bool = True
     sync_each_batch: bool = False
     offload: bool = False
+    tp: int = 1
+    tensor_parallel: Any = attrs.field(eq=False, repr=False, default=None)
     name: ClassVar[str] = "FSDP2"
     casts_parameters: ClassVar[bool] = True
     places_parameters: ClassVar[bool] = True
 
     def gradient_ranks(self, env: Env) -> int:
-        return self.world_size
+        return self.world_size // self.tp
+
+    def batch_copies(self, env: Env) -> int:
+        return self.tp
+
+    def clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        if self.tp > 1:  # split layers on dp x tp, the others on dp alone
+            return clip_across_meshes(params, max_norm, norm_type)
+        return super().clip(params, max_norm, norm_type)
 
     def no_sync(self, model: nn.Module, state: TrainState) -> NoSync | None:
         if self.sync_each_batch:
@@ -80,26 +95,35 @@ class FSDPEngine(Engine):
                optimizer_layout: tuple[float, float], precision_bytes: int,
                accumulating: bool) -> MemoryParts:
         ranks = self.shard_ranks
+        shape = tp_numel(model, self.tensor_parallel, self.tp) if self.tp > 1 \
+            else lambda p: tuple(p.shape)
         # without sync_each_batch, unsharded gradients accumulate between reductions
         params, grads, opt = state_bytes(
-            model, trained, optimizer_layout, numel=lambda p: shard_numel(p, ranks),
-            full_grads=accumulating and not self.sync_each_batch)
+            model, trained, optimizer_layout, numel=lambda p: shard_numel(shape(p), ranks),
+            full_grads=accumulating and not self.sync_each_batch,
+            full_numel=lambda p: math.prod(shape(p)))
         layout = f"shard over {ranks} ranks"
+        if self.tp > 1:
+            layout += f" x tensor parallel over {self.tp}"
         if self.offload and env.device.type != "cpu":
             # sharded parameters, gradients and the optimizer live on the host
             params, grads, opt = 0, 0, 0
             layout += " + CPU offload"
-        return MemoryParts(params, grads, opt, self._working_bytes(model, precision_bytes), layout)
+        working = self._working_bytes(model, precision_bytes, lambda p: math.prod(shape(p)))
+        return MemoryParts(params, grads, opt, working, layout)
 
-    def _working_bytes(self, model: nn.Module, precision_bytes: int) -> int:
-        """Parameters gathered for compute: the root's and the blocks in flight."""
+    def _working_bytes(self, model: nn.Module, precision_bytes: int,
+                       numel: Callable[[torch.Tensor], int]) -> int:
+        """Parameters gathered for compute (over the data ranks; a tensor-parallel rank
+        gathers its part only): the root's and the blocks in flight."""
         blocks = [m for _, m in select(self.policy, model, user="estimate_memory")]
-        block_numel = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        block_numel = [sum(numel(p) for p in b.parameters()) for b in blocks]
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
-        root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+        root = sum(numel(p) for p in model.parameters() if id(p) not in in_blocks)
         gathered = (2 * max(block_numel, default=0) if self.reshard_after_forward
                     else sum(block_numel))
         return (root + gathered) * precision_bytes
 
     def describe(self, env: Env) -> str:
-        return f"FSDP2 over {self.shard_ranks} of {self.world_size} ranks"
+        split = f", tensor parallel over {self.tp}" if self.tp > 1 else ""
+        return f"FSDP2 over {self.shard_ranks} of {self.world_size} ranks{split}"

@@ -16,11 +16,14 @@ from shardwise.transforms.place import Place, place
 from shardwise.transforms.replicate import Replicate, replicate
 from shardwise.transforms.shard import Shard, shard
 from shardwise.transforms.shard_optimizer import ShardOptimizer, shard_optimizer
+from shardwise.transforms.tensor_parallel import TensorParallel, tensor_parallel
 
 __all__ = [
     "AccumulateGradients", "CheckpointActivations", "ClipGradients", "DeepSpeed", "DistributeData",
-    "MixedPrecision", "Offload", "Place", "Replicate", "Shard", "ShardOptimizer", "Stage", "Transform",
+    "MixedPrecision", "Offload", "Place", "Replicate", "Shard", "ShardOptimizer", "Stage", "TensorParallel",
+    "Transform",
     "accumulate_gradients", "checkpoint_activations", "clip_gradients", "deepspeed",
     "distribute_data",
     "mixed_precision", "offload", "place", "replicate", "shard", "shard_optimizer",
+    "tensor_parallel",
 ]

@@ -20,7 +20,9 @@ __all__ = ["Stage", "Transform", "Distribution", "plan_of", "check_combination"]
 
 class Stage(enum.IntEnum):
     """The canonical order. Settings first, so every later stage can read them from the plan;
-    surgery before distribution, because wrappers (DDP, FSDP2) must see the final module tree;
+    tensor parallelism before surgery (torchtitan's order): it splits the user's layers as
+    they are, and activation checkpointing then wraps the split blocks' forwards; surgery
+    before distribution, because wrappers (DDP, FSDP2) must see the final module tree;
     placement after distribution, because fully_shard places its own shards and DDP is built
     on a module that ``replicate`` moved first; the optimizer stage after placement, because
     a sharded optimizer partitions parameters that must already be on their device; data
@@ -28,11 +30,12 @@ class Stage(enum.IntEnum):
     """
 
     SETTINGS = 1
-    SURGERY = 2
-    DISTRIBUTION = 3
-    PLACEMENT = 4
-    OPTIMIZER = 5
-    DATA = 6
+    TENSOR_PARALLEL = 2
+    SURGERY = 3
+    DISTRIBUTION = 4
+    PLACEMENT = 5
+    OPTIMIZER = 6
+    DATA = 7
 
 
 class Transform:
@@ -47,6 +50,11 @@ class Transform:
     def describe(self, env: Env) -> str:
         """One line saying what this transform will do under ``env``."""
         return repr(self)
+
+    def describe_in(self, env: Env, plan: Plan) -> str:
+        """:meth:`describe` under a pipeline whose settings are ``plan`` (what a transform
+        does may depend on others: ``shard()`` after ``tensor_parallel``)."""
+        return self.describe(env)
 
     def check(self, env: Env) -> None:
         """Raise if this transform cannot run under ``env`` (checked when the pipeline is

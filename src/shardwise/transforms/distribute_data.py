@@ -11,6 +11,8 @@ from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader, shard_loader
 from shardwise.env import Env
 from shardwise.errors import DataError
+from shardwise.mesh import layout
+from shardwise.plan import Plan
 from shardwise.transforms._checks import boolean, integer, optional_boolean
 from shardwise.transforms.base import Stage, Transform
 
@@ -52,26 +54,45 @@ class DistributeData(Transform):
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         env, pin = bundle.env, self.pins(bundle.env)
+        copies = self.copies(env, bundle.plan)
 
         def distributed(loader: Any) -> DeviceLoader | None:
             if loader is None:
                 return None
-            sharded = shard_loader(loader, env, seed=self.seed, pin_memory=pin)
+            sharded = shard_loader(loader, env, seed=self.seed, pin_memory=pin, copies=copies)
             return DeviceLoader(sharded, env.device, non_blocking=self.non_blocking)
 
         return attrs.evolve(bundle, loader=distributed(bundle.loader),
                             eval_loader=distributed(bundle.eval_loader))
 
+    @staticmethod
+    def copies(env: Env, plan: Plan) -> int:
+        """Ranks that read the same share: a tensor-parallel group (else 1)."""
+        tensor = plan.tensor_parallel
+        if tensor is None or not env.is_distributed:
+            return 1
+        return layout(env, tp=tensor.size_for(env)).tp
+
+    def describe_in(self, env: Env, plan: Plan) -> str:
+        copies = self.copies(env, plan)
+        if copies == 1:
+            return self.describe(env)
+        shares = env.world_size // copies
+        return (f"DistributedSampler over the {shares} data ranks: each tensor-parallel group "
+                f"of {copies} reads the same 1/{shares} (checked at the first step), seed "
+                f"{self.seed}, set_epoch every epoch; {self._move(env)}")
+
     def describe(self, env: Env) -> str:
         share = (f"DistributedSampler: each of {env.world_size} ranks reads 1/{env.world_size}"
                  if env.is_distributed else "sampler order fixed by seed")
+        return f"{share}, seed {self.seed}, set_epoch every epoch; {self._move(env)}"
+
+    def _move(self, env: Env) -> str:
         if env.device.type == "cpu":
-            move = "batches stay on the CPU (no transfer)"
-        else:
-            move = (f"batches moved to {env.device} in one TensorDict call"
-                    f"{', pinned' if self.pins(env) else ''}"
-                    f"{', non_blocking' if self.non_blocking else ''}")
-        return f"{share}, seed {self.seed}, set_epoch every epoch; {move}"
+            return "batches stay on the CPU (no transfer)"
+        return (f"batches moved to {env.device} in one TensorDict call"
+                f"{', pinned' if self.pins(env) else ''}"
+                f"{', non_blocking' if self.non_blocking else ''}")
 
 
 #: the public factory: the class itself, so its defaults are written once

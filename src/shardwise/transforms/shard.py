@@ -17,6 +17,7 @@ from shardwise.distributed import ensure_process_group
 from shardwise.engines import Engine, FSDPEngine, LocalEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError, EnvError
+from shardwise.mesh import layout
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
 from shardwise.plan import Plan
 from shardwise.policies import Policy, select
@@ -95,9 +96,33 @@ class Shard(Distribution):
         """The engine this transform puts in the bundle (settings only, nothing is built)."""
         if not env.is_distributed:
             return LocalEngine()
-        return FSDPEngine(world_size=env.world_size, shard_ranks=self.shard_ranks(env), policy=self.policy,
-                          reshard_after_forward=self.reshard_after_forward,
-                          sync_each_batch=self.sync_each_batch, offload=plan.offload)
+        tensor = plan.tensor_parallel
+        tp = tensor.size_for(env) if tensor is not None else 1
+        return FSDPEngine(world_size=env.world_size, shard_ranks=self.shard_ranks(env, tp),
+                          policy=self.policy, reshard_after_forward=self.reshard_after_forward,
+                          sync_each_batch=self.sync_each_batch, offload=plan.offload,
+                          tp=tp, tensor_parallel=tensor if tp > 1 else None)
+
+    def excludes(self) -> dict[str, str]:
+        if self.mesh is None:
+            return {}
+        return {"tensor_parallel": "shard(mesh=...) takes a mesh of your own, tensor_parallel "
+                "needs the pipeline's (dp_shard x tp); leave mesh out, the pipeline builds it"}
+
+    def _data_mesh(self, bundle: Bundle) -> DeviceMesh:
+        """The mesh to shard over: the data dimensions of the pipeline's mesh when layers are
+        split across a tensor-parallel group (FSDP2 needs both on one parent mesh), else
+        one over all ranks (or the user's)."""
+        mesh = bundle.mesh
+        if bundle.plan.tensor_parallel is None or mesh is None:
+            return self.mesh or build_mesh(bundle.env, self.replicate_across_nodes)
+        dims = ("dp_replicate", "dp_shard") if self.replicate_across_nodes else ("dp_shard",)
+        names = mesh.mesh_dim_names or ()
+        if any(d not in names for d in dims):
+            raise ConflictError(f"{self!r}: the bundle's mesh has dimensions {names}, not "
+                                f"{dims}; pass tensor_parallel and shard to one sw.pipeline(...), "
+                                "which builds the mesh for both")
+        return mesh[dims]
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
@@ -121,7 +146,7 @@ class Shard(Distribution):
         offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
                                   if plan.offload else OffloadPolicy())
         options: dict[str, Any] = dict(
-            mesh=self.mesh or build_mesh(env, self.replicate_across_nodes),
+            mesh=self._data_mesh(bundle),
             mp_policy=precision.fsdp_policy(plan.precision), offload_policy=offload)
         for _, block in blocks:  # bottom-up: deepest first, then the root
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
@@ -133,26 +158,39 @@ class Shard(Distribution):
         rebind_optimizer(bundle.optimizer, names, model)
         return attrs.evolve(bundle, engine=self.engine(env, plan))
 
-    def shard_ranks(self, env: Env) -> int:
-        """How many ranks each parameter is split over: the last dimension of the mesh
-        (FSDP2 replicates over the first of a 2-D one)."""
+    def shard_ranks(self, env: Env, tp: int = 1) -> int:
+        """How many ranks each parameter is split over by FSDP2: the last data dimension of
+        the mesh (FSDP2 replicates over the first of a 2-D one; ``tp`` ranks of a
+        tensor-parallel group hold the same shard of their part)."""
         if self.mesh is not None:
             return int(self.mesh.shape[-1])
-        return env.local_world_size if self.replicate_across_nodes else env.world_size
+        ranks = env.local_world_size if self.replicate_across_nodes else env.world_size
+        return ranks // tp
+
+    def describe_in(self, env: Env, plan: Plan) -> str:
+        tensor = plan.tensor_parallel
+        tp = tensor.size_for(env) if tensor is not None else 1
+        if env.is_distributed and tp > 1:
+            mesh = layout(env, tp=tp, replicate_across_nodes=self.replicate_across_nodes)
+            return (f"FSDP2 fully_shard on blocks chosen by {self.policy!r}, then the root, over "
+                    f"the mesh's data dimension(s) {' x '.join(mesh.data_names)} "
+                    f"({mesh.data_ranks(env.world_size)} ranks; each tensor-parallel part "
+                    f"sharded over {mesh.size('dp_shard')})")
+        return self.describe(env)
 
     def describe(self, env: Env) -> str:
         if not env.is_distributed:
             return "one process: nothing to shard, no wrapper"
         ranks = self.shard_ranks(env)
         groups = "nodes" if self.replicate_across_nodes else "groups"
-        layout = (f"hybrid: replicated over {env.world_size // ranks} {groups}, sharded over "
+        spread = (f"hybrid: replicated over {env.world_size // ranks} {groups}, sharded over "
                   f"{ranks} ranks each" if ranks < env.world_size
                   else f"sharded over {env.world_size} ranks")
         zero = "ZeRO-3 (reshard after forward)" if self.reshard_after_forward else \
             "ZeRO-2 (keep parameters gathered between forward and backward)"
         sync = "; gradients reduced every micro-batch" if self.sync_each_batch else ""
         return (f"FSDP2 fully_shard on blocks chosen by {self.policy!r}, then the root; "
-                f"{layout}; {zero}{sync}")
+                f"{spread}; {zero}{sync}")
 
 
 #: the public factory: the class itself, so its defaults are written once

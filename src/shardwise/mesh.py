@@ -1,0 +1,109 @@
+# The device mesh of a pipeline: its named dimensions, their sizes, and each rank's place in them.
+"""One DeviceMesh per pipeline, with named dimensions (``dp_replicate``, ``dp_shard``, ``tp``).
+
+The layout is decided here and nowhere else: the transforms, the data split, the memory
+estimate and ``explain()`` ask :func:`layout`. ``tp`` is the innermost dimension, so the ranks
+of one tensor-parallel group are consecutive, on one node when a node holds a multiple of the
+group (their collectives run every layer, the data dimensions' once per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from shardwise.env import Env
+from shardwise.errors import EnvError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MeshLayout", "layout", "layout_of", "build"]
+
+
+@attrs.frozen
+class MeshLayout:
+    """The named dimensions of a mesh over all ranks, outermost first.
+
+    Attributes:
+        dims: ``(name, size)`` pairs whose sizes multiply to the world size.
+    """
+
+    dims: tuple[tuple[str, int], ...]
+
+    def size(self, name: str) -> int:
+        """The size of dimension ``name`` (1 when the mesh has no such dimension)."""
+        return dict(self.dims).get(name, 1)
+
+    @property
+    def tp(self) -> int:
+        """Ranks each tensor-parallel group spans."""
+        return self.size("tp")
+
+    @property
+    def data_names(self) -> tuple[str, ...]:
+        """The data-parallel dimensions, outermost first."""
+        return tuple(name for name, _ in self.dims if name.startswith("dp_"))
+
+    def data_ranks(self, world_size: int) -> int:
+        """Ranks that read different batches: the world over the tensor-parallel groups."""
+        return world_size // self.tp
+
+    def data_rank(self, rank: int) -> int:
+        """Which batch share ``rank`` reads: the ranks of one tensor-parallel group (consecutive,
+        ``tp`` innermost) read the same one."""
+        return rank // self.tp
+
+    def describe(self) -> str:
+        """``dp_shard=2 x tp=2``."""
+        return " x ".join(f"{name}={size}" for name, size in self.dims)
+
+
+def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False) -> MeshLayout:
+    """The mesh for ``env`` with tensor-parallel groups of ``tp`` ranks, the rest data
+    parallel (replicated across nodes and sharded within one, when asked).
+
+    Raises:
+        EnvError: the world (or a node) does not divide into the groups asked for.
+    """
+    world = env.world_size
+    if tp < 1 or world % tp:
+        raise EnvError(f"tensor_parallel(size={tp}) must divide the world size {world} (the "
+                       "ranks left over form the data-parallel dimensions); launch a multiple "
+                       f"of {tp} processes, or pass a size that divides {world}")
+    dims: list[tuple[str, int]] = []
+    if replicate_across_nodes:
+        per_node = env.local_world_size
+        if env.num_nodes * per_node != world or per_node % tp:
+            raise EnvError(
+                f"a mesh replicated across nodes needs the same number of ranks on every node, "
+                f"a multiple of the tensor-parallel size (got world_size={world}, "
+                f"num_nodes={env.num_nodes}, local_world_size={per_node}, tp={tp})")
+        dims.append(("dp_replicate", env.num_nodes))
+        dims.append(("dp_shard", per_node // tp))
+    else:
+        dims.append(("dp_shard", world // tp))
+    dims.append(("tp", tp))
+    return MeshLayout(tuple(dims))
+
+
+def layout_of(env: Env, transforms: Iterable[Any]) -> MeshLayout | None:
+    """The mesh ``transforms`` call for under ``env``: None unless one of them is
+    ``tensor_parallel`` (shard() and replicate() alone build their own mesh, as before)."""
+    transforms = list(transforms)
+    tensor = next((t for t in transforms if t.factory_name == "tensor_parallel"), None)
+    if tensor is None:
+        return None
+    shard = next((t for t in transforms if t.factory_name == "shard"), None)
+    return layout(env, tp=tensor.size_for(env),
+                  replicate_across_nodes=bool(getattr(shard, "replicate_across_nodes", False)))
+
+
+def build(env: Env, mesh: MeshLayout) -> DeviceMesh:
+    """The torch ``DeviceMesh`` of ``mesh`` over all ranks (one process group per dimension)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(env.device.type, tuple(size for _, size in mesh.dims),
+                            mesh_dim_names=tuple(name for name, _ in mesh.dims))

@@ -1,0 +1,184 @@
+# tensor_parallel(): layers split across a group of ranks with torch's parallelize_module (DTensor).
+"""Tensor parallelism on the ``tp`` dimension of the pipeline's mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import attrs
+import torch
+from torch import nn
+
+from shardwise._params import is_dtensor, param_names, rebind_optimizer, refuse_state
+from shardwise._text import short
+from shardwise.bundle import Bundle
+from shardwise.distributed import ensure_process_group
+from shardwise.engines import TPEngine
+from shardwise.env import Env
+from shardwise.errors import ArgumentError, ConflictError
+from shardwise.mesh import build, layout
+from shardwise.meta_init import is_rank0_weights
+from shardwise.plan import Plan
+from shardwise.tp_plan import (
+    check_plan_value,
+    local_shapes,
+    model_plan,
+    resolve,
+    torch_style,
+    whole_owners,
+)
+from shardwise.transforms.base import Stage, Transform
+
+__all__ = ["TensorParallel", "tensor_parallel"]
+
+
+def _plan(instance: Any, attribute: Any, value: Any) -> None:
+    check_plan_value(value)
+
+
+def _size(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 1 <= value <= 2**16):
+        raise ArgumentError(f"tensor_parallel() 'size' must be None (the ranks of one node) or "
+                            f"an integer in [1, 65536] (got {short(value)})")
+
+
+def _from_rank0(model: nn.Module) -> None:
+    """Every rank starts from rank 0's weights and buffers, as under DDP: split layers take
+    their part of them, the rest is whole and the same everywhere."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+def _as_replicated(module: nn.Module, inputs: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not is_dtensor(x) else x for x in inputs)
+
+
+def _as_local(module: nn.Module, outputs: Any, mesh: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to_local() if is_dtensor(x) else x, outputs)
+
+
+def keep_whole(module: nn.Module, tp_mesh: Any) -> None:
+    """Make a leaf module's parameters replicated DTensors on the tensor-parallel mesh: it
+    computes on whole tensors as before (inputs taken as replicated, outputs handed back
+    as plain tensors), while every parameter of the model is a DTensor of one mesh."""
+    from torch.distributed.tensor import distribute_module
+
+    hooks: dict[str, Any] = {"input_fn": _as_replicated, "output_fn": _as_local}
+    distribute_module(module, tp_mesh, **hooks)
+
+
+@attrs.frozen(repr=False)
+class TensorParallel(Transform):
+    """Split layers across the ranks of a tensor-parallel group with torch's
+    ``parallelize_module`` (``ColwiseParallel`` / ``RowwiseParallel`` DTensors).
+
+    Each rank holds its part of the split layers' weights and computes its part of their
+    outputs; the other parameters stay whole on every rank, and all ranks of a group read
+    the same batch. With more ranks than ``size`` the rest are data parallel: ``shard()``
+    then shards over the data dimension of the mesh only (``dp_shard x tp``, or
+    ``dp_replicate x dp_shard x tp`` with ``replicate_across_nodes``). Applied before
+    activation checkpointing and distribution; the module changes in place and the
+    optimizer is re-bound to the split parameters. Every rank starts from rank 0's weights.
+    In one process (or ``size=1``) it is a no-op.
+
+    Args:
+        plan: ``"auto"``: the model's own plan (a Transformers model's ``_tp_plan`` /
+            ``config.base_model_tp_plan``); or a dict of module-name patterns (``*`` for one
+            name part) to styles: ``"colwise"``, ``"rowwise"``, ``"colwise_rep"`` (output
+            gathered), ``"rowwise_rep"`` (input whole), ``"embedding_rowwise"``, ... or
+            torch ``ParallelStyle`` objects.
+        size: ranks per tensor-parallel group; default all ranks of one node.
+
+    Raises:
+        ConflictError: no plan, a pattern that matches no module, a size that a split
+            dimension or the attention heads do not divide by, tied weights split apart.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.tensor_parallel(size=2), sw.shard())  # dp_shard x tp
+    """
+
+    plan: str | Mapping[str, Any] = attrs.field(default="auto", validator=_plan)
+    size: int | None = attrs.field(default=None, kw_only=True, validator=_size)
+    stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
+    factory_name: ClassVar[str] = "tensor_parallel"
+
+    def size_for(self, env: Env) -> int:
+        """Ranks per group under ``env``: ``size``, or the ranks of one node."""
+        return self.size if self.size is not None else env.local_world_size
+
+    def record(self, plan: Plan) -> Plan:
+        return attrs.evolve(plan, tensor_parallel=self)
+
+    def excludes(self) -> dict[str, str]:
+        why = ("splits layers into DTensors, which {} cannot run; use shard() for the data "
+               "ranks (FSDP2 on the mesh's dp_shard dimension)")
+        return {"replicate": why.format("DDP"), "shard_optimizer": why.format("ZeRO-1"),
+                "deepspeed": why.format("DeepSpeed")}
+
+    def resolved(self, model: nn.Module, size: int) -> dict[str, Any]:
+        """Each module this plan splits (full name -> style), checked for ``size``."""
+        plan = model_plan(model) if self.plan == "auto" else dict(self.plan)  # type: ignore[arg-type]
+        return resolve(model, plan, size)
+
+    def local_shapes(self, model: nn.Module, size: int) -> dict[int, tuple[int, ...]]:
+        """``id(parameter)`` -> the shape one rank holds, for each parameter split."""
+        return local_shapes(model, self.resolved(model, size), size)
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        bundle = self._record(bundle)
+        env, model = bundle.env, bundle.model
+        size = self.size_for(env)
+        if not env.is_distributed or size == 1:
+            return bundle
+        if any(is_dtensor(p) for p in model.parameters()) or \
+                isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ConflictError(f"{self!r}: the model is split or wrapped already "
+                                f"({type(model).__name__}); pass the bare module")
+        if is_rank0_weights(model):
+            raise ConflictError(f"{self!r}: a model built by sw.init_on_meta holds its weights on "
+                                "rank 0 only, which tensor_parallel does not split yet; build it "
+                                "normally (every rank starts from rank 0's weights anyway)")
+        refuse_state(bundle.optimizer)
+        chosen = self.resolved(model, size)
+        ensure_process_group(env)
+        mesh = bundle.mesh if bundle.mesh is not None else build(env, layout(env, tp=size))
+        if "tp" not in (mesh.mesh_dim_names or ()) or int(mesh["tp"].size()) != size:
+            raise ConflictError(f"{self!r}: the bundle's mesh {mesh} has no 'tp' dimension of "
+                                f"size {size}; let sw.pipeline(...) build it")
+        names = param_names(model)
+        model.to(env.device)
+        _from_rank0(model)
+        modules = dict(model.named_modules())
+        # imported when first used: DTensor takes most of a second to import
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh["tp"],
+                           {name: torch_style(modules[name], style) for name, style in chosen.items()})
+        for name in whole_owners(model, chosen):
+            keep_whole(modules[name], mesh["tp"])
+        rebind_optimizer(bundle.optimizer, names, model)
+        return attrs.evolve(bundle, mesh=mesh, engine=TPEngine(tp=size, tensor_parallel=self))
+
+    def describe(self, env: Env) -> str:
+        size = self.size_for(env)
+        if not env.is_distributed or size == 1:
+            return "one rank per group: nothing to split"
+        source = "the model's own plan" if self.plan == "auto" else \
+            f"{len(self.plan)} plan entries"
+        return (f"parallelize_module on the mesh's tp dimension ({size} ranks): layers split "
+                f"by {source} (DTensor Colwise/RowwiseParallel), the rest whole on every "
+                f"rank; the {size} ranks of a group read the same batch")
+
+
+#: the public factory: the class itself, so its defaults are written once
+tensor_parallel = TensorParallel

@@ -118,8 +118,8 @@ class Env:
     launcher: Launcher = "none"
     config_path: str | None = None
     accelerate_variables: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=tuple)
-    """The ``ACCELERATE_*`` and ``FSDP_*`` variables ``accelerate launch`` set (name, value),
-    which :func:`shardwise.pipeline` follows like a config file."""
+    """The ``ACCELERATE_*``, ``FSDP_*`` and ``PARALLELISM_CONFIG_*`` variables ``accelerate
+    launch`` set (name, value), which :func:`shardwise.pipeline` follows like a config file."""
 
     def __attrs_post_init__(self) -> None:
         check_topology(attrs.asdict(self, recurse=False))
@@ -311,10 +311,11 @@ _MAX_VARIABLE = 4096  # characters; a longer value is not a setting
 
 
 def accelerate_variables(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """The ``ACCELERATE_*`` and ``FSDP_*`` variables of ``environ``, sorted (values bounded)."""
+    """The ``ACCELERATE_*``, ``FSDP_*`` and ``PARALLELISM_CONFIG_*`` variables of ``environ``,
+    sorted (values bounded)."""
     found = []
     for name in sorted(environ):
-        if name.startswith(("ACCELERATE_", "FSDP_")):
+        if name.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")):
             value = environ[name]
             if len(value) > _MAX_VARIABLE:
                 raise EnvError(f"${name} holds {len(value)} characters; a setting holds at most "
@@ -336,7 +337,8 @@ def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env
     ``MASTER_ADDR``/``MASTER_PORT``, else SLURM's (``srun`` without torchrun), else OpenMPI's
     ``OMPI_COMM_WORLD_*``; else it is one process. The config file comes from
     ``$SHARDWISE_CONFIG_FILE``; the settings ``accelerate launch`` hands to the script from
-    its ``ACCELERATE_*`` and ``FSDP_*`` variables (``ACCELERATE_USE_CPU`` puts it on the CPU).
+    its ``ACCELERATE_*``, ``FSDP_*`` and ``PARALLELISM_CONFIG_*`` variables
+    (``ACCELERATE_USE_CPU`` puts it on the CPU).
 
     Args:
         environ: variables to read instead of ``os.environ`` (for tests).

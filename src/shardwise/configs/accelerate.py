@@ -11,6 +11,7 @@ from typing import Any
 from shardwise._config_source import Shape, Source, load_source
 from shardwise.configs.deepspeed import Said, Settings, build, device, merge, positive, read_json, said, stage
 from shardwise.configs.fsdp import fsdp_transforms
+from shardwise.configs.parallelism import asks_for_mesh, parallelism_transforms
 from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.base import Transform
@@ -33,7 +34,7 @@ IGNORED: dict[str, tuple[Shape | None, str]] = {
     "megatron_lm_config": ("mapping", "is not applied (Megatron-LM is not driven by shardwise)"),
     "fp8_config": ("mapping", "is not applied (fp8 is not supported)")}
 TOP = {"distributed_type", "mixed_precision", "fsdp_config", "deepspeed_config",
-       *LAUNCH, *IGNORED}
+       "parallelism_config", *LAUNCH, *IGNORED}
 _DS_ONLY: dict[str, Shape] = {
     "zero3_init_flag": "bool", "zero3_save_16bit_model": "bool",
     "deepspeed_multinode_launcher": "text", "deepspeed_hostfile": "text",
@@ -159,6 +160,17 @@ def _no(value: Any, default: str) -> Any:
     return default if value is False or value is None else value
 
 
+def _parallelism(src: Source, mesh: dict[str, Any], out: list[Transform], kind: str,
+                 fsdp: dict[str, Any], env: Env) -> list[Transform]:
+    """The ``parallelism_config`` block; as Accelerate, only beside FSDP version 2."""
+    version = fsdp.get("fsdp_version", fsdp.get("version", 1))
+    if asks_for_mesh(src, mesh) and (kind != "FSDP" or version != 2):
+        raise ConfigError(f"{src.origin}: parallelism_config needs distributed_type: FSDP with "
+                          f"fsdp_config.fsdp_version: 2, as in Accelerate (got distributed_type="
+                          f"{kind}, fsdp_version={version!r})")
+    return parallelism_transforms(src, mesh, out, env)
+
+
 def accelerate_transforms(src: Source, env: Env) -> list[Transform]:
     """Transforms for an Accelerate config mapping."""
     cfg = src.data
@@ -187,6 +199,9 @@ def accelerate_transforms(src: Source, env: Env) -> list[Transform]:
         out.append(replicate())
     elif kind == "FSDP":
         out += fsdp_transforms(src, block["fsdp_config"], "fsdp_config.")
+    mesh = src.mapping("parallelism_config", cfg.get("parallelism_config"))
+    if mesh:
+        out = _parallelism(src, mesh, out, kind, block["fsdp_config"], env)
     if precision == "no":  # Accelerate's full precision, said explicitly: fp32, not a default
         return [*out, mixed_precision("fp32")] if "mixed_precision" in cfg else out
     return [*out, mixed_precision(precision)]

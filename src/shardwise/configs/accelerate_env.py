@@ -1,5 +1,6 @@
 # The variables `accelerate launch` hands to the script, read as the Accelerate config they came from.
-"""``ACCELERATE_*`` / ``FSDP_*`` variables -> an Accelerate config mapping -> transforms.
+"""``ACCELERATE_*`` / ``FSDP_*`` / ``PARALLELISM_CONFIG_*`` variables -> an Accelerate config
+mapping -> transforms.
 
 ``accelerate launch --config_file cfg.yaml train.py`` does not pass the YAML on: it sets
 variables (``ACCELERATE_MIXED_PRECISION``, ``ACCELERATE_USE_FSDP``, ``FSDP_VERSION``, ...).
@@ -50,9 +51,16 @@ _DEEPSPEED = {  # variable -> deepspeed_config key
     "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "zero3_save_16bit_model",
     "ACCELERATE_DEEPSPEED_CONFIG_FILE": "deepspeed_config_file",
     "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": "deepspeed_moe_layer_cls_names"}
+#: variable -> parallelism_config key (set by accelerate launch --use_parallelism_config)
+_PARALLELISM = {f"PARALLELISM_CONFIG_{k.upper()}": f"parallelism_config_{k}"
+                for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
+                          "cp_backend", "cp_comm_strategy", "sp_size", "sp_backend",
+                          "sp_seq_length", "sp_seq_length_is_variable",
+                          "sp_attn_implementation")}
 _TOP = {"ACCELERATE_MIXED_PRECISION": "mixed_precision", "ACCELERATE_USE_CPU": "use_cpu",
         "ACCELERATE_DEBUG_MODE": "debug", "ACCELERATE_CPU_AFFINITY": "enable_cpu_affinity"}
-_FLAGS = {"ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DYNAMO_BACKEND",
+_FLAGS = {"ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG",
+          "ACCELERATE_DYNAMO_BACKEND",
           "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_USE_MEGATRON_LM",
           "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "FSDP_IGNORED_MODULES"}
 #: variables other than settings (logging, tooling) that change nothing in training
@@ -69,7 +77,7 @@ def _typed(key: str, value: str) -> Any:
     text = value.strip()
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
-    if key.endswith(("version", "num_params", "zero_stage")) and text.isdigit():
+    if key.endswith(("version", "num_params", "zero_stage", "_size")) and text.isdigit():
         return int(text)
     if key == "gradient_clipping":
         try:
@@ -118,6 +126,12 @@ def _to_config(variables: dict[str, str], env: Env) -> tuple[dict[str, Any], dic
     else:
         cfg["distributed_type"] = "NO" if env.world_size == 1 else \
             "MULTI_CPU" if env.device.type == "cpu" else "MULTI_GPU"
+    if _flag(variables.get("ACCELERATE_USE_PARALLELISM_CONFIG", "")):
+        mesh: dict[str, Any] = {}
+        for var, key in _PARALLELISM.items():
+            if var in variables and variables[var].strip() not in ("", "None"):
+                put(mesh, "parallelism_config.", key, var)
+        cfg["parallelism_config"] = mesh
     backend = variables.get("ACCELERATE_DYNAMO_BACKEND", "NO").strip().upper()
     if backend != "NO":
         cfg["dynamo_config"] = {"dynamo_backend": backend}
@@ -154,7 +168,7 @@ def read_accelerate_variables(env: Env) -> tuple[list[Transform], list[str]]:
     for var in ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "FSDP_IGNORED_MODULES"):
         if var in variables and variables[var].lower() not in ("false", ""):
             src.notice(var, "is not applied (no FSDP2 counterpart here)")
-    known = {*_FSDP, *_DEEPSPEED, *_TOP, *_FLAGS, *_QUIET, *_LAUNCHER_DEFAULTS}
+    known = {*_FSDP, *_DEEPSPEED, *_TOP, *_FLAGS, *_QUIET, *_LAUNCHER_DEFAULTS, *_PARALLELISM}
     for var in sorted(set(variables) - known):
         src.notice(var, "is not read by shardwise")
     cfg, names = _to_config(variables, env)

@@ -21,6 +21,7 @@ from shardwise._config_source import Source, load_source, short
 from shardwise.configs import ddp_settings
 from shardwise.configs.deepspeed import BatchCheck, Said, build, merge, read_json
 from shardwise.configs.fsdp import fsdp_transforms
+from shardwise.configs.parallelism import SIZES, asks_for_mesh, parallelism_transforms
 from shardwise.env import Env, detect
 from shardwise.errors import ConfigError
 from shardwise.transforms.accumulate_gradients import accumulate_gradients
@@ -72,7 +73,10 @@ ARGUMENTS: dict[str, str] = {
     "ddp_broadcast_buffers": "replicate(broadcast_buffers=...); None: True",
     "ddp_static_graph": "replicate(static_graph=...); None: False",
     "use_cpu": "detect(device=\"cpu\")",
-    "parallelism_config": "refused when set: tensor/context parallelism is not supported",
+    "parallelism_config": "Accelerate's ParallelismConfig (or a dict of its fields): tp_size "
+                          "-> tensor_parallel(size=...), dp_shard_size -> shard() over the "
+                          "data ranks, dp_replicate_size -> HSDP across nodes (or replicate() "
+                          "alone); cp_size/sp_size > 1 refused",
     # precision and the step
     "bf16": "mixed_precision(\"bf16\"); with neither bf16 nor fp16: mixed_precision(\"fp32\")",
     "fp16": "mixed_precision(\"fp16\") (a GradScaler; needs a GPU)",
@@ -446,9 +450,7 @@ def read_training_args(args: Any, env: Env | None = None,
     for name, why in NOTICED.items():
         if name in a and _is_set(a[name], defaults.get(name)):
             src.notice(name, why)
-    if a.get("parallelism_config") is not None:
-        raise src.fail("parallelism_config", a["parallelism_config"], "None (tensor and "
-                       "context parallelism are not supported)")
+    mesh = _mesh_block(src, a.get("parallelism_config"))
     if not src.boolean("average_tokens_across_devices", a["average_tokens_across_devices"]):
         raise src.fail("average_tokens_across_devices", False, "true (the loss is averaged over "
                        "the items of all ranks)")
@@ -468,12 +470,17 @@ def read_training_args(args: Any, env: Env | None = None,
     if a["deepspeed"] is not None:
         if fsdp is not None:
             raise ConfigError(f"{origin}: fsdp and deepspeed are both set; choose one")
+        if mesh and asks_for_mesh(src, mesh):
+            raise src.fail("parallelism_config", a["parallelism_config"], "None beside "
+                           "deepspeed (its ZeRO stages are the data-parallel dimension)")
         out = _deepspeed_engine(src, a) if engine == "deepspeed" else _deepspeed(src, a, env)
         if each or not sync:
             src.notice("accelerator_config.gradient_accumulation_kwargs", "is not applied "
                        "under deepspeed (its accumulation follows gradient_accumulation_steps)")
     else:
         out = _distribution(src, fsdp, replicated, each)
+        if mesh:
+            out = parallelism_transforms(src, mesh, out, env, where="parallelism_config.")
         out += _precision(src, a)
         if steps > 1:
             out.append(src.build("gradient_accumulation_steps", steps, accumulate_gradients,
@@ -489,6 +496,21 @@ def read_training_args(args: Any, env: Env | None = None,
     out.append(_data(src, a, accel))
     fit, notes = _loop(src, a)
     return TrainingSettings(overrides, tuple(out), fit, (*src.notices, *notes), origin)
+
+
+def _mesh_block(src: Source, value: Any) -> dict[str, Any]:
+    """TrainingArguments' ``parallelism_config``: an Accelerate ``ParallelismConfig`` (its
+    fields read) or a dict of its field names; empty when None."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    fields = [name for name in (*SIZES, "cp_backend", "sp_backend") if hasattr(value, name)]
+    if not fields:
+        raise src.fail("parallelism_config", value, "an accelerate ParallelismConfig, a dict "
+                       "of its fields (dp_replicate_size, dp_shard_size, tp_size, cp_size), "
+                       "or None")
+    return {name: getattr(value, name) for name in fields}
 
 
 def _deepspeed_engine(src: Source, a: dict[str, Any]) -> list[Transform]:

@@ -1,0 +1,117 @@
+# Accelerate's parallelism_config from YAML, launch variables and TrainingArguments = the code's pipeline.
+"""dp_replicate x dp_shard x tp from every source builds the transforms code would write."""
+
+import pytest
+import yaml
+
+import shardwise as sw
+from shardwise.errors import ConfigError
+
+FOUR = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+FSDP2 = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+         "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+         "fsdp_reshard_after_forward": True}
+YAML = {"distributed_type": "FSDP", "mixed_precision": "no", "num_processes": 4,
+        "fsdp_config": FSDP2,
+        "parallelism_config": {"parallelism_config_dp_replicate_size": 1,
+                               "parallelism_config_dp_shard_size": 2,
+                               "parallelism_config_tp_size": 2,
+                               "parallelism_config_cp_size": 1}}
+#: what `accelerate launch --config_file` sets for YAML (accelerate.utils.launch)
+VARIABLES = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_FSDP": "true",
+             "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+             "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+             "FSDP_RESHARD_AFTER_FORWARD": "true", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+             "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+             "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "1",
+             "PARALLELISM_CONFIG_CP_BACKEND": "torch", "PARALLELISM_CONFIG_SP_SIZE": "1",
+             "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"}
+CODE = [sw.mixed_precision("fp32"), sw.tensor_parallel(size=2),
+        sw.shard(sw.by_class("LlamaDecoderLayer"), reshard_after_forward=True)]
+
+
+def env(**variables):
+    return sw.detect(environ={**FOUR, **variables})
+
+
+def configured(pipe):
+    return sorted((s.transform for s in pipe.steps if s.origin == "config"),
+                  key=lambda t: t.stage)
+
+
+def write(tmp_path, data):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_yaml_variables_code_and_training_args_build_one_pipeline(tmp_path):
+    from_yaml = sw.from_config(write(tmp_path, YAML), env=env())
+    from_variables = sw.pipeline(env(**VARIABLES))
+    code = sw.pipeline(env(), *CODE)
+    assert configured(from_yaml) == configured(from_variables) == CODE
+    assert [s.transform for s in code.steps if s.origin == "user"] == CODE
+    args = {"fsdp": "full_shard", "fsdp_config": {**FSDP2, "version": 2},
+            "parallelism_config": {"dp_shard_size": 2, "tp_size": 2}}
+    from_args = [t for t in sw.from_training_args(args, env=env()).transforms
+                 if t.factory_name in ("tensor_parallel", "shard")]
+    assert from_args == CODE[1:]
+    for pipe in (from_yaml, from_variables, code):
+        assert "mesh: dp_shard=2 x tp=2 over 4 ranks" in pipe.explain()
+
+
+def test_an_accelerate_parallelism_config_object_is_read():
+    accelerate = pytest.importorskip("accelerate.parallelism_config")
+    config = accelerate.ParallelismConfig(dp_shard_size=2, tp_size=2)
+    pipe = sw.from_training_args({"fsdp": "full_shard", "parallelism_config": config}, env=env())
+    assert sw.tensor_parallel(size=2) in pipe.transforms
+
+
+def test_replicate_size_is_hsdp_across_nodes():
+    two_nodes = sw.Env(world_size=8, local_world_size=4, num_nodes=2, node_rank=0)
+    block = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}
+    pipe = sw.from_training_args({"fsdp": "full_shard", "parallelism_config": block},
+                                 env=two_nodes)
+    shard = next(t for t in pipe.transforms if t.factory_name == "shard")
+    assert shard.replicate_across_nodes
+    assert "mesh: dp_replicate=2 x dp_shard=2 x tp=2 over 8 ranks" in pipe.explain()
+    # DDP alone when nothing is sharded
+    alone = sw.from_training_args({"parallelism_config": {"dp_replicate_size": 4}},
+                                  env=sw.Env(world_size=4, local_world_size=1, num_nodes=4))
+    assert sw.replicate() in alone.transforms
+
+
+def test_nothing_asked_changes_nothing():
+    ones = {**VARIABLES, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "1"}
+    assert configured(sw.pipeline(env(**ones))) == [
+        sw.mixed_precision("fp32"), sw.shard(sw.by_class("LlamaDecoderLayer"))]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"parallelism_config_cp_size": 2}, r"parallelism_config_cp_size=2 .*context parallelism"),
+    ({"parallelism_config_tp_size": 4}, r"dp_shard_size=2 x .*tp_size=4 = 8 ranks, but this run "
+                                        r"has 4"),
+    ({"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 1},
+     r"dp_replicate_size=2, but this run has 1 node"),
+    ({"parallelism_config_tp_size": "two"}, r"parallelism_config_tp_size='two'"),
+    ({"parallelism_config_pp_size": 2}, r"parallelism_config_pp_size"),
+])
+def test_bad_sizes_are_refused_naming_the_key(tmp_path, change, message):
+    data = {**YAML, "parallelism_config": {**YAML["parallelism_config"], **change}}
+    with pytest.raises(ConfigError, match=message):
+        sw.from_config(write(tmp_path, data), env=env())
+
+
+def test_variables_are_named_in_errors_and_fsdp2_is_required(tmp_path):
+    with pytest.raises(ConfigError, match=r"PARALLELISM_CONFIG_CP_SIZE=2"):
+        sw.pipeline(env(**{**VARIABLES, "PARALLELISM_CONFIG_CP_SIZE": "2"}))
+    multi_cpu = {**YAML, "distributed_type": "MULTI_CPU"}
+    with pytest.raises(ConfigError, match=r"needs distributed_type: FSDP with "
+                                          r"fsdp_config.fsdp_version: 2"):
+        sw.from_config(write(tmp_path, multi_cpu), env=env())
+    no_shard = {**YAML, "fsdp_config": {**FSDP2, "fsdp_sharding_strategy": "NO_SHARD",
+                                        "fsdp_reshard_after_forward": None}}
+    no_shard["fsdp_config"].pop("fsdp_reshard_after_forward")
+    with pytest.raises(ConfigError, match=r"NO_SHARD"):
+        sw.from_config(write(tmp_path, no_shard), env=env())

@@ -17,8 +17,12 @@ Real: a tiny Llama (dims that do not divide evenly, so shards differ) trained fo
 on 2 gloo ranks; its state is counted after the step and one more backward (parameters,
 gradients and optimizer state all held at once), as ``memory_table.py`` does.
 
-    OMP_NUM_THREADS=1 python benchmarks/scale.py [--sizes 8 64 256 1024] [--models 7B 70B]
-        [--rank first|last] [--no-real] [--json]
+    OMP_NUM_THREADS=1 python benchmarks/scale.py [--sizes 8 64 256 1024] [--models 7B 70B 405B]
+        [--tp 8] [--rank first|last] [--no-real] [--json]
+
+Tensor parallel rows (``--tp 8``): ``tensor_parallel(size=8)`` (the model's own plan) then
+``shard()`` over the ``dp_shard`` dimension of a ``dp_shard x tp`` mesh, e.g. Llama-70B at
+tp=8 x dp_shard=128 on 1024 ranks.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ SHAPES = {
                num_key_value_heads=32, intermediate_size=11008, vocab_size=32000),
     "70B": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8, intermediate_size=28672, vocab_size=32000),
+    # Llama-3.1-405B's shapes
+    "405B": dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
+                 num_key_value_heads=8, intermediate_size=53248, vocab_size=128256),
     # the real 2-rank run: odd dims, so the two ranks' shards differ and FSDP2 pads
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=171, vocab_size=251),
@@ -77,9 +84,10 @@ def estimated(model: torch.nn.Module, parts: list[sw.Transform], env: sw.Env,
 
 
 def simulate(shape: str, world: int, hsdp: bool, last: bool,
-             own_mesh: bool = False) -> dict[str, Any]:
+             own_mesh: bool = False, tp: int = 1) -> dict[str, Any]:
     """One rank of a ``world``-rank job under shard() (HSDP: NODE ranks per node, or the
-    same 2-D mesh passed as ``shard(mesh=...)`` with ``own_mesh``), on meta."""
+    same 2-D mesh passed as ``shard(mesh=...)`` with ``own_mesh``; with ``tp`` > 1
+    tensor_parallel(size=tp) on a dp_shard x tp mesh), on meta."""
     local = NODE if hsdp else world
     rank = world - 1 if last else 0
     env = sw.Env(world_size=world, rank=rank, local_rank=rank % local, local_world_size=local,
@@ -93,6 +101,8 @@ def simulate(shape: str, world: int, hsdp: bool, last: bool,
                                                 mesh_dim_names=("replicate", "shard")))
                  if own_mesh else sw.shard(replicate_across_nodes=hsdp))
         parts = [shard, sw.mixed_precision("bf16")]
+        if tp > 1:
+            parts.append(sw.tensor_parallel(size=tp))
         estimate = estimated(model, parts, env, optimizer)  # before sharding: the user's model
         bundle = sw.pipeline(env, *parts)(model, optimizer)
         for p in bundle.model.parameters():
@@ -103,6 +113,8 @@ def simulate(shape: str, world: int, hsdp: bool, last: bool,
         dist.destroy_process_group()
     mesh = (f"HSDP {world // NODE}x{NODE}" + (" (mesh=)" if own_mesh else "")) if hsdp \
         else f"FSDP {world}"
+    if tp > 1:
+        mesh = f"dp_shard {world // tp} x tp {tp}"
     return {"model": f"Llama-{shape}", "ranks": world, "rank": rank, "mesh": mesh,
             "simulated": simulated, "estimate": estimate}
 
@@ -154,7 +166,11 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256, 1024])
-    parser.add_argument("--models", nargs="+", choices=["7B", "70B"], default=["7B", "70B"])
+    parser.add_argument("--models", nargs="+", choices=["7B", "70B", "405B"],
+                        default=["7B", "70B"])
+    parser.add_argument("--tp", type=int, nargs="*", default=[],
+                        help="also tensor_parallel(size=T) x shard() rows (e.g. --tp 8); "
+                             "405B runs only these")
     parser.add_argument("--rank", choices=["first", "last"], default="first",
                         help="the rank simulated: first (largest shards) or last")
     parser.add_argument("--no-hsdp", action="store_true", help="FSDP only")
@@ -166,6 +182,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for shape in args.models:
         for world in args.sizes:
+            for tp in args.tp:
+                if world > tp and world % tp == 0:
+                    rows.append(simulate(shape, world, hsdp=False, last=args.rank == "last",
+                                         tp=tp))
+            if shape == "405B":
+                continue
             rows.append(simulate(shape, world, hsdp=False, last=args.rank == "last"))
             if not args.no_hsdp and world > NODE and world % NODE == 0:
                 rows.append(simulate(shape, world, hsdp=True, last=args.rank == "last"))

@@ -57,3 +57,27 @@ def test_estimate_matches_two_real_ranks(rows):
         assert held["grads"] > 0 and held["optimizer"] > held["grads"]
         for part in PARTS:
             assert within(est[part], held[part]), (row["rank"], part, est[part], held[part])
+
+
+LLAMA_70B_PARAMS = 68_976_648_192
+
+
+@pytest.fixture(scope="module")
+def tp_rows():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "1024", "--models", "70B",
+                           "--tp", "8", "--no-hsdp", "--no-real", "--json"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_estimate_matches_simulated_tp8_x_dp_shard128(tp_rows):
+    """Llama-70B at tp=8 x dp_shard=128 on 1024 simulated ranks: the model's own plan splits
+    each layer over 8 ranks, FSDP2 shards every part over 128."""
+    row = next(r for r in tp_rows if r["mesh"] == "dp_shard 128 x tp 8")
+    held, est = row["simulated"], row["estimate"]
+    # 1/1024 of the weights, plus FSDP2's padding of rows that 128 does not divide (vocab 4000)
+    assert held["grads"] == pytest.approx(LLAMA_70B_PARAMS * 4 / 1024, rel=1e-3)
+    for part in PARTS:
+        assert within(est[part], held[part]), (part, est[part], held[part])

@@ -90,24 +90,48 @@ def evaluate(parts):
     return torch.cat(ids), torch.cat(logits)
 
 
+def local_bytes(t):
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def memory(parts):
+    """This rank's bytes of parameters, gradients and AdamW state after a step and a backward
+    (all three held at once), beside sw.estimate_memory for the same pipeline."""
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    est = sw.estimate_memory(model, parts, sw.detect(), optimizer=opt)
+    bundle = sw.pipeline(sw.detect(), *parts)(model, opt)
+    batch = {"input_ids": Tokens().ids[:2], "labels": Tokens().ids[:2]}
+    bundle.step(bundle.init(), batch)
+    bundle.model(**batch).loss.backward()
+    params = list(bundle.model.parameters())
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    held = {"params": sum(map(local_bytes, params)) + sum(map(local_bytes, bundle.model.buffers())),
+            "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(map(local_bytes, state))}
+    return {"held": held, "estimate": {"params": est.params_bytes, "grads": est.grads_bytes,
+                                       "optimizer": est.optimizer_bytes}, "layout": est.layout}
+
+
 def two_ranks():
     tp = [sw.tensor_parallel(size=2)]
     return {"tp": train(tp), "tp_plain_loss": train(tp, weighted=False),
-            "tp_bf16": train(tp, precision="bf16"), "eval": evaluate(tp)}
+            "tp_bf16": train(tp, precision="bf16"), "eval": evaluate(tp), "memory": memory(tp)}
 
 
 def four_ranks():
     parts = [sw.tensor_parallel(size=2), sw.shard()]
     return {"2d": train(parts, data_ranks=2), "default": train([sw.tensor_parallel(size=2)],
                                                                 data_ranks=2),
-            "eval": evaluate(parts)}
+            "eval": evaluate(parts), "memory": memory(parts)}
 
 
 @pytest.fixture(scope="module")
 def reference():
     """One process, the same global batches."""
     return {"fp32": train([]), "plain": train([], weighted=False),
-            "bf16": train([], precision="bf16"), "eval": evaluate([])}
+            "bf16": train([], precision="bf16"), "eval": evaluate([]), "memory": memory([])}
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +191,20 @@ def test_predict_and_gather_for_metrics_keep_each_group_once(tp2, tp2dp2, refere
         want = [int(i) for i in torch.argsort(ids[:, 0] * 1000 + ids[:, 1])]
         assert torch.equal(got_ids[order], ids[want])  # 9 samples: no copies, no padding
         assert torch.allclose(got_logits[order], logits[want], atol=1e-5)
+
+
+def test_per_rank_memory_shrinks_as_estimated(tp2, tp2dp2, reference):
+    """Split layers hold 1/tp of their weights, gradients and AdamW state; FSDP2 halves
+    every part again over dp_shard=2. The estimate is within 10% of what each rank holds."""
+    whole = reference["memory"]["held"]
+    for ranks, share in ((tp2, 0.5), (tp2dp2, 0.25)):
+        for rank in ranks:
+            held, est = rank["memory"]["held"], rank["memory"]["estimate"]
+            for part in ("params", "grads", "optimizer"):
+                assert abs(est[part] / held[part] - 1) <= 0.10, (part, est, held)
+                # the norms (and RoPE buffers) stay whole within a tensor-parallel group
+                assert share < held[part] / whole[part] < share * 1.1, (part, held, whole)
+    assert tp2dp2[0]["memory"]["layout"] == "shard over 2 ranks x tensor parallel over 2"
 
 
 # -- refused plans (no process group needed: the plan is checked before anything is split) --

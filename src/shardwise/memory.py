@@ -21,6 +21,7 @@ from shardwise.precision import Precision
 from shardwise.transforms.base import Distribution, Transform, plan_of
 from shardwise.transforms.checkpoint_activations import CheckpointActivations
 from shardwise.transforms.replicate import replicate
+from shardwise.transforms.shard import shard
 from shardwise.transforms.shard_optimizer import ShardOptimizer
 
 
@@ -175,10 +176,16 @@ def _transforms(pipeline: _HasTransforms | Sequence[Transform] | None) -> list[T
 
 
 def engine_of(transforms: Sequence[Transform], env: Env) -> Engine:
-    """The engine ``transforms`` would put in a bundle under ``env`` (none given: replicate)."""
+    """The engine ``transforms`` would put in a bundle under ``env`` (none given: replicate,
+    or under ``tensor_parallel`` shard() over the data ranks, or its own engine when the
+    group spans the world)."""
     plan = plan_of(transforms)
-    distribution = next((t for t in transforms if isinstance(t, Distribution)), replicate())
-    engine = distribution.engine(env, plan)
+    distribution = next((t for t in transforms if isinstance(t, Distribution)), None)
+    if distribution is None and plan.tensor_parallel is not None and env.is_distributed:
+        if plan.tensor_parallel.size_for(env) >= env.world_size:
+            return plan.tensor_parallel.engine(env)
+        distribution = shard()
+    engine = (distribution or replicate()).engine(env, plan)
     if env.is_distributed and any(isinstance(t, ShardOptimizer) for t in transforms):
         engine = engine.with_sharded_optimizer(None)
     return engine

@@ -115,6 +115,10 @@ class TPEngine(Engine):
         shape = tp_numel(model, self.tensor_parallel, self.tp)
         params, grads, opt = state_bytes(model, trained, optimizer_layout,
                                          numel=lambda p: math.prod(shape(p)))
+        # DTensor's embedding backward leaves a rowwise-split table's gradient whole
+        whole = self.tensor_parallel.whole_gradients(model, self.tp)
+        grads += sum((p.numel() - math.prod(shape(p))) * 4 for p in model.parameters()
+                     if id(p) in whole and id(p) in trained)
         return MemoryParts(params, grads, opt, 0, f"tensor parallel over {self.tp} ranks")
 
     def describe(self, env: Env) -> str:

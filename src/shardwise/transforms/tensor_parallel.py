@@ -14,7 +14,7 @@ from shardwise._params import is_dtensor, param_names, rebind_optimizer, refuse_
 from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
-from shardwise.engines import TPEngine
+from shardwise.engines import Engine, LocalEngine, TPEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
 from shardwise.mesh import build, layout
@@ -25,6 +25,7 @@ from shardwise.tp_plan import (
     local_shapes,
     model_plan,
     resolve,
+    split_dims,
     torch_style,
     whole_owners,
 )
@@ -134,6 +135,14 @@ class TensorParallel(Transform):
         """``id(parameter)`` -> the shape one rank holds, for each parameter split."""
         return local_shapes(model, self.resolved(model, size), size)
 
+    def whole_gradients(self, model: nn.Module, size: int) -> set[int]:
+        """Ids of split parameters whose gradient DTensor leaves whole on every rank until
+        the optimizer step: a rowwise-split embedding's (its backward gives Replicate)."""
+        modules = dict(model.named_modules())
+        return {id(modules[name].weight) for name, style in self.resolved(model, size).items()
+                if isinstance(modules[name], nn.Embedding)
+                and split_dims(modules[name], style).get("weight") == 0}
+
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         env, model = bundle.env, bundle.model
@@ -156,8 +165,9 @@ class TensorParallel(Transform):
             raise ConflictError(f"{self!r}: the bundle's mesh {mesh} has no 'tp' dimension of "
                                 f"size {size}; let sw.pipeline(...) build it")
         names = param_names(model)
-        model.to(env.device)
-        _from_rank0(model)
+        if not all(p.is_meta for p in model.parameters()):  # a meta model: shapes only
+            model.to(env.device)
+            _from_rank0(model)
         modules = dict(model.named_modules())
         # imported when first used: DTensor takes most of a second to import
         from torch.distributed.tensor.parallel import parallelize_module
@@ -167,7 +177,15 @@ class TensorParallel(Transform):
         for name in whole_owners(model, chosen):
             keep_whole(modules[name], mesh["tp"])
         rebind_optimizer(bundle.optimizer, names, model)
-        return attrs.evolve(bundle, mesh=mesh, engine=TPEngine(tp=size, tensor_parallel=self))
+        return attrs.evolve(bundle, mesh=mesh, engine=self.engine(env))
+
+    def engine(self, env: Env) -> Engine:
+        """The engine this transform puts in the bundle when no distribution follows it
+        (settings only, nothing is built)."""
+        size = self.size_for(env)
+        if not env.is_distributed or size == 1:
+            return LocalEngine()
+        return TPEngine(tp=size, tensor_parallel=self)
 
     def describe(self, env: Env) -> str:
         size = self.size_for(env)

@@ -114,10 +114,33 @@ def memory(parts):
                                        "optimizer": est.optimizer_bytes}, "layout": est.layout}
 
 
+def nonfinite():
+    """A NaN in one split weight on rank 1: both ranks raise at the same step, nothing applied."""
+    model = llama()
+    bundle = sw.pipeline(sw.detect(), sw.tensor_parallel(size=2))(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = {"input_ids": Tokens().ids[:2], "labels": Tokens().ids[:2]}
+    state, _ = bundle.step(bundle.init(), batch)
+    before = full_state(bundle.model)
+    if sw.detect().rank == 1:
+        with torch.no_grad():
+            bundle.model.model.layers[0].mlp.up_proj.weight.to_local()[0, 0] = float("nan")
+    try:
+        state, _ = bundle.step(state, batch)
+        bundle.check(state)
+    except sw.errors.NonFiniteError as exc:
+        after = full_state(bundle.model)
+        changed = [k for k in before if not torch.equal(before[k], after[k]) and "up_proj" not in k]
+        return str(exc).split(";")[0], changed
+    return "no error", []
+
+
 def two_ranks():
     tp = [sw.tensor_parallel(size=2)]
     return {"tp": train(tp), "tp_plain_loss": train(tp, weighted=False),
-            "tp_bf16": train(tp, precision="bf16"), "eval": evaluate(tp), "memory": memory(tp)}
+            "tp_bf16": train(tp, precision="bf16"), "eval": evaluate(tp), "memory": memory(tp),
+            "checkpointed": train([*tp, sw.checkpoint_activations()]),
+            "nonfinite": nonfinite()}
 
 
 def four_ranks():
@@ -154,6 +177,19 @@ def test_tp2_matches_one_process(tp2, reference):
         assert len(run["norms"]) == STEPS
         plain = rank["tp_plain_loss"]
         assert max_param_diff(plain["params"], reference["plain"]["params"]) <= 1e-5
+
+
+def test_tp2_with_activation_checkpointing_matches(tp2, reference):
+    for rank in tp2:
+        assert max_param_diff(rank["checkpointed"]["params"], reference["fp32"]["params"]) <= 1e-5
+    assert "checkpoint_activations" in tp2[0]["checkpointed"]["explain"]
+
+
+def test_a_nonfinite_split_gradient_on_one_rank_stops_both(tp2):
+    for rank in tp2:
+        message, changed = rank["nonfinite"]
+        assert message.startswith("non-finite gradients at optimizer step 2"), message
+        assert changed == []  # the update was skipped on every rank
 
 
 def test_tp2_bf16_within_documented_tolerance(tp2, reference):

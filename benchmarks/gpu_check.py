@@ -37,7 +37,7 @@ def row(name: str, ok: bool | None, seen: str) -> None:
 
 def build(parts: list[sw.Transform]) -> sw.Bundle:
     torch.manual_seed(0)
-    model = TinyTransformerLM(vocab=256, dim=256, heads=4, layers=4)
+    model = TinyTransformerLM(vocab=256, dim=256, heads=4, layers=4, max_len=128)
     loader = DataLoader(SyntheticTokens(size=4096, seq_len=128, vocab=256), batch_size=16,
                         shuffle=True)
     return sw.pipeline(sw.detect(), *parts)(model, torch.optim.AdamW(model.parameters()), loader)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a machine with one NVIDIA GPU: the CUDA/NCCL paths and figures, then compare.py on the GPU; two tables.
+# On a machine with an NVIDIA GPU: the CUDA/NCCL paths and figures, compare.py on the GPU, and with 2+ GPUs tensor parallel.
 # Needs the project installed with a CUDA build of torch and the bench extra
 # (install torch first, then pip install -e '.[bench]'). Exits 2 without CUDA, 1 if either part failed.
 set -euo pipefail
@@ -16,7 +16,16 @@ echo
 # worker processes (not yet run on a GPU)
 compare=0
 "$PY" benchmarks/compare.py --device cuda --quick --rounds 12 --steps 4 || compare=$?
-if [ "$check" -ne 0 ] || [ "$compare" -ne 0 ]; then
-  echo "gpu_check.sh: gpu_check.py exited $check, compare.py exited $compare" >&2
+# tensor parallel needs a second GPU (NCCL cannot put two ranks on one device)
+tp=0
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+echo
+if [ "$gpus" -ge 2 ]; then
+  "${TORCHRUN:-.venv/bin/torchrun}" --standalone --nproc_per_node=2 benchmarks/tp_check.py || tp=$?
+else
+  echo "tensor parallel row: skipped, $gpus CUDA device(s) here (tp_check.py needs 2)"
+fi
+if [ "$check" -ne 0 ] || [ "$compare" -ne 0 ] || [ "$tp" -ne 0 ]; then
+  echo "gpu_check.sh: gpu_check.py exited $check, compare.py exited $compare, tp_check.py exited $tp" >&2
   exit 1
 fi

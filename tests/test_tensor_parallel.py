@@ -345,6 +345,7 @@ def save_at_tp2(path):
     batches = iter(bundle.loader)
     state = steps(bundle, bundle.init(), 2, batches)
     sw.save(path, bundle, state)
+    sw.export(path + "_export", bundle)
     saved = {"params": full_state(bundle.model), "optimizer": full_optimizer(bundle)}
     steps(bundle, state, 4, batches)  # the same epoch goes on
     return {"saved": saved, "end": full_state(bundle.model)}
@@ -384,6 +385,17 @@ def test_tp2_checkpoint_loads_at_dp2_and_in_one_process(tp2_checkpoint):
         same_optimizer(loaded["optimizer"], saved["saved"]["optimizer"])
 
 
+def test_tp2_export_is_the_whole_model(tp2_checkpoint):
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    path, saved = tp2_checkpoint
+    exported = load_file(path + "_export/model.safetensors")
+    assert max_param_diff(exported, saved["saved"]["params"]) == 0.0
+    model = LlamaForCausalLM.from_pretrained(path + "_export")
+    assert max_param_diff(model.state_dict(), saved["saved"]["params"]) == 0.0
+
+
 def test_tp2_resume_is_exact(tp2_checkpoint):
     path, saved = tp2_checkpoint
     resumed = run_distributed(load_under, path, [sw.tensor_parallel(size=2)], True,
@@ -391,3 +403,11 @@ def test_tp2_resume_is_exact(tp2_checkpoint):
     for rank in resumed:
         for name, value in saved["end"].items():
             assert torch.equal(rank["end"][name], value), name
+
+
+def test_a_size_that_does_not_divide_the_world_is_refused_when_built():
+    four = sw.Env(world_size=4, local_world_size=4)
+    with pytest.raises(sw.errors.EnvError, match=r"tensor_parallel\(size=3\) must divide the world size 4"):
+        sw.pipeline(four, sw.tensor_parallel(size=3))
+    # the default size is the ranks of one node
+    assert "tp=4" in sw.pipeline(four, sw.tensor_parallel()).explain()

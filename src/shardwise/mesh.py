@@ -90,11 +90,11 @@ def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False) -> Me
 
 
 def layout_of(env: Env, transforms: Iterable[Any]) -> MeshLayout | None:
-    """The mesh ``transforms`` call for under ``env``: None unless one of them is
-    ``tensor_parallel`` (shard() and replicate() alone build their own mesh, as before)."""
+    """The mesh ``transforms`` call for under ``env``: None in one process, or unless one of
+    them is ``tensor_parallel`` (shard() and replicate() alone build their own mesh)."""
     transforms = list(transforms)
     tensor = next((t for t in transforms if t.factory_name == "tensor_parallel"), None)
-    if tensor is None:
+    if tensor is None or not env.is_distributed:
         return None
     shard = next((t for t in transforms if t.factory_name == "shard"), None)
     return layout(env, tp=tensor.size_for(env),

@@ -141,8 +141,8 @@ class Pipeline:
         for i, step in enumerate(self.steps, 1):
             t = step.transform
             why = f"  [{step.reason}]" if step.reason else ""
-            lines.append(f"  {i}. {t.stage.name.lower():<12} {t!r}{why}")
-            lines.append(f"     {'':<12} -> {t.describe_in(env, plan)}")
+            lines.append(f"  {i}. {t.stage.name.lower():<15} {t!r}{why}")
+            lines.append(f"     {'':<15} -> {t.describe_in(env, plan)}")
         lines += _mesh_lines(env, self.transforms)
         if self.choose_distribution:
             lines.append(f"  distribution: chosen per model when called ({env.world_size} "
@@ -232,7 +232,14 @@ def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
             f"{mesh.tp} ranks of a tensor-parallel group are consecutive (on one node), as "
             "their collectives run in every layer; data split over "
             f"{' x '.join(mesh.data_names)} ({data} share(s) of each global batch, rank r "
-            f"reads share r // {mesh.tp})"]
+            f"reads share r // {mesh.tp})",
+            # where shardwise deliberately differs from torchtitan and Accelerate, it says so
+            "  tensor parallel: parameters outside the plan (norms) stay whole on every rank "
+            "as replicated DTensors, with no sequence or loss parallelism (torchtitan splits "
+            "them): activations around them are whole and results equal one process's; the "
+            "plan is applied to the model you pass (Accelerate has Transformers apply it in "
+            "from_pretrained); every rank starts from rank 0's weights; sw.reduce(x, 'sum') "
+            f"counts each group's value {mesh.tp} times"]
 
 
 def _check_call(model: Any, optimizer: Any, loader: Any, scheduler: Any, loss_fn: Any,

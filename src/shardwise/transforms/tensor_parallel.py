@@ -117,6 +117,11 @@ class TensorParallel(Transform):
         """Ranks per group under ``env``: ``size``, or the ranks of one node."""
         return self.size if self.size is not None else env.local_world_size
 
+    def check(self, env: Env) -> None:
+        """Raises EnvError when the size does not divide the world (several processes)."""
+        if env.is_distributed:
+            layout(env, tp=self.size_for(env))
+
     def record(self, plan: Plan) -> Plan:
         return attrs.evolve(plan, tensor_parallel=self)
 

@@ -101,7 +101,7 @@ def simulate(shape: str, world: int, hsdp: bool, last: bool,
                                                 mesh_dim_names=("replicate", "shard")))
                  if own_mesh else sw.shard(replicate_across_nodes=hsdp))
         parts = [shard, sw.mixed_precision("bf16")]
-        if tp > 1:
+        if tp > 1:  # HSDP: dp_replicate (nodes) x dp_shard x tp, a 3-D mesh
             parts.append(sw.tensor_parallel(size=tp))
         estimate = estimated(model, parts, env, optimizer)  # before sharding: the user's model
         bundle = sw.pipeline(env, *parts)(model, optimizer)
@@ -114,7 +114,8 @@ def simulate(shape: str, world: int, hsdp: bool, last: bool,
     mesh = (f"HSDP {world // NODE}x{NODE}" + (" (mesh=)" if own_mesh else "")) if hsdp \
         else f"FSDP {world}"
     if tp > 1:
-        mesh = f"dp_shard {world // tp} x tp {tp}"
+        mesh = (f"dp_replicate {world // NODE} x dp_shard {NODE // tp} x tp {tp}" if hsdp
+                else f"dp_shard {world // tp} x tp {tp}")
     return {"model": f"Llama-{shape}", "ranks": world, "rank": rank, "mesh": mesh,
             "simulated": simulated, "estimate": estimate}
 
@@ -185,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
             for tp in args.tp:
                 if world > tp and world % tp == 0:
                     rows.append(simulate(shape, world, hsdp=False, last=args.rank == "last",
+                                         tp=tp))
+                if not args.no_hsdp and tp < NODE and NODE % tp == 0 and world > NODE \
+                        and world % NODE == 0:
+                    rows.append(simulate(shape, world, hsdp=True, last=args.rank == "last",
                                          tp=tp))
             if shape == "405B":
                 continue

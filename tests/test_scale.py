@@ -65,11 +65,14 @@ LLAMA_70B_PARAMS = 68_976_648_192
 @pytest.fixture(scope="module")
 def tp_rows():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "1024", "--models", "70B",
-                           "--tp", "8", "--no-hsdp", "--no-real", "--json"],
-                          capture_output=True, text=True, timeout=180, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    rows = []
+    for args in (["--sizes", "1024", "--models", "70B", "--tp", "8", "--no-hsdp"],
+                 ["--sizes", "64", "--models", "7B", "--tp", "4"]):
+        done = subprocess.run([sys.executable, str(SCRIPT), *args, "--no-real", "--json"],
+                              capture_output=True, text=True, timeout=180, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows += json.loads(done.stdout.strip().splitlines()[-1])
+    return rows
 
 
 def test_estimate_matches_simulated_tp8_x_dp_shard128(tp_rows):
@@ -79,5 +82,15 @@ def test_estimate_matches_simulated_tp8_x_dp_shard128(tp_rows):
     held, est = row["simulated"], row["estimate"]
     # 1/1024 of the weights, plus FSDP2's padding of rows that 128 does not divide (vocab 4000)
     assert held["grads"] == pytest.approx(LLAMA_70B_PARAMS * 4 / 1024, rel=1e-3)
+    for part in PARTS:
+        assert within(est[part], held[part]), (part, est[part], held[part])
+
+
+def test_estimate_matches_a_simulated_3d_mesh(tp_rows):
+    """Llama-7B on 64 simulated ranks, 8 per node: dp_replicate=8 x dp_shard=2 x tp=4 (HSDP
+    with tensor parallel), each rank holds 1/8 of the state."""
+    row = next(r for r in tp_rows if r["mesh"] == "dp_replicate 8 x dp_shard 2 x tp 4")
+    held, est = row["simulated"], row["estimate"]
+    assert held["grads"] == pytest.approx(LLAMA_7B_PARAMS * 4 / 8, rel=1e-3)
     for part in PARTS:
         assert within(est[part], held[part]), (part, est[part], held[part])

@@ -31,8 +31,9 @@ _OTHER = ("cp_comm_strategy", "cp_backend", "cp_handler", "sp_backend", "sp_seq_
           "sp_seq_length_is_variable", "sp_attn_implementation", "sp_handler", "tp_handler")
 KEYS = {*SIZES, *_OTHER}
 _REFUSED = {
-    "cp_size": "1 (context parallelism is not supported: torch's context_parallel runs its ring "
-               "attention on CUDA SDPA kernels; shard long sequences' activations with "
+    "cp_size": "1 (context parallelism is not supported: torch's context_parallel splits only "
+               "CUDA's SDPA kernels (on a CPU, aten._scaled_dot_product_flash_attention_for_cpu "
+               "has no sharding strategy), which shardwise cannot test; save activations with "
                "checkpoint_activations, or split layers with tp_size)",
     "sp_size": "1 (sequence parallelism (DeepSpeed Ulysses) is not supported)"}
 

@@ -170,7 +170,7 @@ def test_deepspeed_auto_values_take_the_arguments_and_mismatches_name_both(tmp_p
     ({"accelerator_config": {"gradient_accumulation_kwargs": {"num_steps": 4}}},
      r"num_steps=4 contradicts gradient_accumulation_steps=1"),
     ({"average_tokens_across_devices": False}, r"average_tokens_across_devices=False"),
-    ({"parallelism_config": {"cp_size": 2}}, r"parallelism_config_cp_size=2 .*context parallelism"),
+    ({"parallelism_config": {"cp_size": 2}}, r"parallelism_config.cp_size=2 .*context parallelism"),
     ({"gradient_accumulation_steps": 0}, r"gradient_accumulation_steps=0"),
     ({"max_grad_norm": float("nan")}, r"max_grad_norm=nan"),
     ({"ddp_timeout": -1}, r"ddp_timeout=-1"),

@@ -55,9 +55,7 @@ def _candidates(env: Env, given: list[Transform]) -> list[tuple[str, list[Transf
     no_offload = any(isinstance(t, Offload) for t in given) or env.device.type == "cpu"
     ckpt: list[Transform] = [] if has_ckpt else [checkpoint_activations()]
     out: list[tuple[str, list[Transform]]] = [("replicate", [replicate()])]
-    if any(t.factory_name == "tensor_parallel" for t in given):
-        out = []  # DDP cannot run split (DTensor) layers: the data ranks are sharded
-    elif any(isinstance(t, ShardOptimizer) for t in given):
+    if any(isinstance(t, ShardOptimizer) for t in given):
         return out  # ZeRO-1 shards the optimizer of a replicated model only
     out.append(("shard", [shard()]))
     if ckpt:
@@ -71,6 +69,12 @@ def choose_distribution(env: Env, given: list[Transform], model: nn.Module,
                         optimizer: torch.optim.Optimizer | None,
                         batch: Any) -> tuple[list[Transform], str]:
     """The distribution transforms for ``model`` under ``env``, and the reason with numbers."""
+    tensor = next((t for t in given if t.factory_name == "tensor_parallel"), None)
+    if tensor is not None:  # not a memory question: only shard() runs split layers
+        chosen = tensor.data_distribution(env)  # type: ignore[attr-defined]
+        return ([chosen] if chosen else []), (
+            f"default: tensor_parallel groups leave {env.world_size} / "
+            f"{tensor.size_for(env)} data ranks; DDP cannot run DTensor layers, so shard()")  # type: ignore[attr-defined]
     limit = budget(env)
     if limit is None:
         return [replicate()], (f"default: {env.world_size} processes; device memory unknown, "

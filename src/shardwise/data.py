@@ -187,6 +187,19 @@ def _unsplittable(loader: Iterable[Any]) -> str | None:
     return None
 
 
+def _check_own_sampler(loader: Any, copies: int, shares: int, share: int) -> None:
+    """A user's DistributedSampler beside tensor-parallel groups must split over the data
+    ranks (``shares``), this rank reading share ``share``."""
+    sampler = loader.sampler
+    if copies > 1 and (sampler.num_replicas, sampler.rank) != (shares, share):
+        raise DataError(
+            f"the loader's DistributedSampler splits the data over num_replicas="
+            f"{sampler.num_replicas} (this rank: {sampler.rank}), but with tensor-parallel "
+            f"groups of {copies} the data ranks are {shares} (this rank reads share {share}); "
+            f"build it with num_replicas={shares}, rank={share}, or pass a loader built with "
+            "shuffle=True/False")
+
+
 def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
                  pin_memory: bool = False, copies: int = 1) -> Iterable[Any]:
     """A copy of ``loader`` whose sampler is a ``DistributedSampler`` for ``env``.
@@ -203,15 +216,8 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
             ``DistributedSampler`` of the user's that splits over other ranks than the data's.
     """
     shares, share = env.world_size // copies, env.rank // copies
-    sampler_given = getattr(loader, "sampler", None)
-    if isinstance(sampler_given, DistributedSampler):
-        if copies > 1 and (sampler_given.num_replicas, sampler_given.rank) != (shares, share):
-            raise DataError(
-                f"the loader's DistributedSampler splits the data over num_replicas="
-                f"{sampler_given.num_replicas} (this rank: {sampler_given.rank}), but with "
-                f"tensor-parallel groups of {copies} the data ranks are {shares} (this rank "
-                f"reads share {share}); build it with num_replicas={shares}, "
-                f"rank={share}, or pass a loader built with shuffle=True/False")
+    if isinstance(getattr(loader, "sampler", None), DistributedSampler):
+        _check_own_sampler(loader, copies, shares, share)
         return loader
     problem = _unsplittable(loader)
     if problem is not None:

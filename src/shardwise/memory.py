@@ -21,7 +21,6 @@ from shardwise.precision import Precision
 from shardwise.transforms.base import Distribution, Transform, plan_of
 from shardwise.transforms.checkpoint_activations import CheckpointActivations
 from shardwise.transforms.replicate import replicate
-from shardwise.transforms.shard import shard
 from shardwise.transforms.shard_optimizer import ShardOptimizer
 
 
@@ -182,9 +181,9 @@ def engine_of(transforms: Sequence[Transform], env: Env) -> Engine:
     plan = plan_of(transforms)
     distribution = next((t for t in transforms if isinstance(t, Distribution)), None)
     if distribution is None and plan.tensor_parallel is not None and env.is_distributed:
-        if plan.tensor_parallel.size_for(env) >= env.world_size:
+        distribution = plan.tensor_parallel.data_distribution(env)
+        if distribution is None:
             return plan.tensor_parallel.engine(env)
-        distribution = shard()
     engine = (distribution or replicate()).engine(env, plan)
     if env.is_distributed and any(isinstance(t, ShardOptimizer) for t in transforms):
         engine = engine.with_sharded_optimizer(None)

@@ -61,16 +61,27 @@ class MeshLayout:
         return " x ".join(f"{name}={size}" for name, size in self.dims)
 
 
-def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False) -> MeshLayout:
+def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
+           asked: str | None = None) -> MeshLayout:
     """The mesh for ``env`` with tensor-parallel groups of ``tp`` ranks, the rest data
     parallel (replicated across nodes and sharded within one, when asked).
 
+    Args:
+        env: the ranks.
+        tp: ranks per tensor-parallel group.
+        replicate_across_nodes: a ``dp_replicate`` dimension of one replica per node.
+        asked: how the size was asked for, for messages (default ``size=<tp>``).
+
     Raises:
         EnvError: the world (or a node) does not divide into the groups asked for.
+
+    Example:
+        >>> layout(sw.Env(world_size=8, local_world_size=8), tp=2).describe()
+        'dp_shard=4 x tp=2'
     """
     world = env.world_size
     if tp < 1 or world % tp:
-        raise EnvError(f"tensor_parallel(size={tp}) must divide the world size {world} (the "
+        raise EnvError(f"tensor_parallel({asked or f'size={tp}'}) must divide the world size {world} (the "
                        "ranks left over form the data-parallel dimensions); launch a multiple "
                        f"of {tp} processes, or pass a size that divides {world}")
     dims: list[tuple[str, int]] = []

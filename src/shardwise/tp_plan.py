@@ -102,6 +102,11 @@ def resolve(model: nn.Module, plan: Mapping[str, Any], size: int) -> dict[str, A
     modules = dict(model.named_modules())
     chosen: dict[str, Any] = {}
     for pattern, style in plan.items():
+        if isinstance(style, str) and style not in STYLES:  # a model's own plan, unchecked
+            raise ConflictError(f"tensor_parallel(): {type(model).__name__}'s plan entry "
+                                f"{pattern!r} has style {style!r}, which shardwise does not map; "
+                                f"accepted: {_ACCEPTED}; pass plan={{...}} with those (or torch "
+                                "ParallelStyle objects) instead of 'auto'")
         matcher = _matcher(pattern)
         names = [n for n in modules if n and matcher.fullmatch(n)]
         if not names:
@@ -174,7 +179,8 @@ def _check_module(name: str, module: nn.Module, style: Any, size: int) -> None:
         raise ConflictError(f"tensor_parallel(): {name} ({type(module).__name__}) cannot be split "
                             f"{style!r}: torch's ColwiseParallel/RowwiseParallel split nn.Linear "
                             "and nn.Embedding; pass a torch ParallelStyle for it, or leave it out "
-                            "of the plan")
+                            "of the plan where its input is whole on every rank (a module left "
+                            "out computes on whole tensors)")
     for param_name, dim in split_dims(module, style).items():
         param = getattr(module, param_name, None)
         if dim is None or param is None:
@@ -187,10 +193,17 @@ def _check_module(name: str, module: nn.Module, style: Any, size: int) -> None:
                 "divides it")
 
 
+#: name parts of attention projections, whose split must keep whole heads
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn",
+              "wqkv", "wq", "wk", "wv")
+
+
 def _check_heads(model: nn.Module, chosen: dict[str, Any], size: int) -> None:
     """Attention heads split with their projections: each rank must hold whole heads."""
     config = getattr(model, "config", None)
-    if config is None or not any(_kind(s) == "colwise" for s in chosen.values()):
+    splits_attention = any(_kind(s) == "colwise" and name.rsplit(".", 1)[-1].lower() in _ATTENTION
+                           for name, s in chosen.items())
+    if config is None or not splits_attention:
         return
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, field, None)
@@ -201,18 +214,18 @@ def _check_heads(model: nn.Module, chosen: dict[str, Any], size: int) -> None:
 
 
 def _check_tied(model: nn.Module, chosen: dict[str, Any]) -> None:
-    """A weight shared between a split module and another module cannot be both split and
-    whole."""
+    """A weight shared between modules (tied weights) would come apart: each module's
+    parameters become DTensors registered anew, split or whole."""
     owners: dict[int, list[str]] = {}
     for module_name, module in model.named_modules():
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), []).append(module_name)
     for names in owners.values():
-        styles = {repr(chosen.get(n)) for n in names}
-        if len(names) > 1 and len(styles) > 1:
+        if len(names) > 1:
             raise ConflictError(f"tensor_parallel(): {' and '.join(names)} share a weight (tied "
-                                "weights) but the plan splits them differently; untie them "
-                                "(e.g. tie_word_embeddings=False) or give both the same style")
+                                "weights); splitting makes each module's parameters anew, which "
+                                "would untie them silently; untie them (e.g. "
+                                "tie_word_embeddings=False)")
 
 
 def torch_style(module: nn.Module, style: Any) -> Any:

@@ -39,41 +39,45 @@ _REFUSED = {
 
 
 def _sizes(src: Source, block: Mapping[str, Any], where: str) -> dict[str, int]:
+    """``where`` names a key: ``parallelism_config.parallelism_config_`` in a YAML,
+    ``parallelism_config.`` for TrainingArguments' fields."""
     sizes = {}
     for name in SIZES:
         value = block.get(name)
-        sizes[name] = 1 if value is None else src.integer(f"{where}{PREFIX}{name}", value, 1, 2**16)
+        sizes[name] = 1 if value is None else src.integer(f"{where}{name}", value, 1, 2**16)
     for name, accepted in _REFUSED.items():
         if sizes[name] > 1:
-            raise src.fail(f"{where}{PREFIX}{name}", sizes[name], accepted)
+            raise src.fail(f"{where}{name}", sizes[name], accepted)
     return sizes
 
 
 def _check_world(src: Source, sizes: dict[str, int], env: Env, where: str) -> None:
     product = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"]
-    shown = " x ".join(f"{PREFIX}{n}={sizes[n]}" for n in SIZES[:3])
+    shown = " x ".join(f"{where}{n}={sizes[n]}" for n in SIZES[:3])
     if env.is_distributed and product != env.world_size:
-        raise ConfigError(f"{src.origin}: {where}{shown} = {product} ranks, but this run has "
+        raise ConfigError(f"{src.origin}: {shown} = {product} ranks, but this run has "
                           f"{env.world_size}; the sizes must multiply to the number of processes")
     replicas = sizes["dp_replicate_size"]
     if env.is_distributed and replicas > 1 and replicas != env.num_nodes:
-        raise ConfigError(f"{src.origin}: {where}{PREFIX}dp_replicate_size={replicas}, but this "
+        raise ConfigError(f"{src.origin}: {where}dp_replicate_size={replicas}, but this "
                           f"run has {env.num_nodes} node(s); shardwise replicates across nodes "
                           "and shards within one (HSDP): set it to the number of nodes")
 
 
-def asks_for_mesh(src: Source, block: Mapping[str, Any], where: str = "parallelism_config.") -> bool:
+def asks_for_mesh(src: Source, block: Mapping[str, Any],
+                  where: str = f"parallelism_config.{PREFIX}") -> bool:
     """Whether ``block`` asks for more than one rank in some dimension (sizes checked)."""
     plain = {str(k).removeprefix(PREFIX): v for k, v in block.items()}
     return any(size > 1 for size in _sizes(src, plain, where).values())
 
 
 def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Transform],
-                           env: Env, where: str = "parallelism_config.") -> list[Transform]:
+                           env: Env, where: str = f"parallelism_config.{PREFIX}"
+                           ) -> list[Transform]:
     """``given`` (the FSDP/DDP settings' transforms) with the mesh ``block`` asks for.
 
     ``block``'s keys may carry the ``parallelism_config_`` prefix (YAML, variables) or not
-    (a ``ParallelismConfig`` object's fields).
+    (a ``ParallelismConfig`` object's fields); ``where`` is how a key is named in messages.
 
     Raises:
         ConfigError: a size that is not a positive integer, context or sequence parallelism,
@@ -81,8 +85,7 @@ def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Tr
             number of nodes, or NO_SHARD with a shard size, naming the keys.
     """
     plain = {str(k).removeprefix(PREFIX): v for k, v in block.items()}
-    src.check_keys({f"{PREFIX}{k}": k for k in plain}, {f"{PREFIX}{k}" for k in KEYS},
-                   where.rstrip("."))
+    src.check_keys({f"{where}{k}": k for k in plain}, {f"{where}{k}" for k in KEYS})
     sizes = _sizes(src, plain, where)
     if all(size == 1 for size in sizes.values()):
         return given  # nothing asked: what the launcher writes when the block is unused
@@ -94,15 +97,15 @@ def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Tr
         out.append(tensor_parallel(size=tp))
     if shards > 1:
         if isinstance(distribution, Replicate):
-            raise ConfigError(f"{src.origin}: {where}{PREFIX}dp_shard_size={shards} with the "
-                              "NO_SHARD strategy: sharding needs FULL_SHARD, SHARD_GRAD_OP or "
-                              "HYBRID_SHARD")
+            raise ConfigError(f"{src.origin}: {where}dp_shard_size={shards} needs FSDP "
+                              "sharding, but the settings replicate the model (DDP, or FSDP's "
+                              "NO_SHARD); set FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (fsdp=...)")
         base = distribution if isinstance(distribution, Shard) else shard()
         out.append(attrs.evolve(base, replicate_across_nodes=replicas > 1))
     elif replicas > 1:
         if tp > 1:
-            raise ConfigError(f"{src.origin}: {where}{PREFIX}dp_replicate_size={replicas} with "
-                              f"{PREFIX}tp_size={tp} and dp_shard_size=1: beside tensor "
+            raise ConfigError(f"{src.origin}: {where}dp_replicate_size={replicas} with "
+                              f"{where}tp_size={tp} and dp_shard_size=1: beside tensor "
                               "parallelism the data ranks are sharded (FSDP2); set dp_shard_size")
         out.append(replicate())
     return out

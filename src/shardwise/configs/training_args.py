@@ -470,7 +470,7 @@ def read_training_args(args: Any, env: Env | None = None,
     if a["deepspeed"] is not None:
         if fsdp is not None:
             raise ConfigError(f"{origin}: fsdp and deepspeed are both set; choose one")
-        if mesh and asks_for_mesh(src, mesh):
+        if mesh and asks_for_mesh(src, mesh, "parallelism_config."):
             raise src.fail("parallelism_config", a["parallelism_config"], "None beside "
                            "deepspeed (its ZeRO stages are the data-parallel dimension)")
         out = _deepspeed_engine(src, a) if engine == "deepspeed" else _deepspeed(src, a, env)

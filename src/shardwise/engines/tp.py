@@ -29,7 +29,8 @@ def total_norm(grads: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
     p-th power of its local parts' norms, weighted by the share of ranks holding that same
     part (a piece replicated over r of the world's w ranks counts r/w on each), and one SUM
     (MAX for the inf-norm) over all ranks adds them up. Any placement but Replicate splits
-    (FSDP2 puts a _StridedShard over a tensor-parallel split). A plain tensor counts as replicated.
+    (FSDP2 puts a _StridedShard over a tensor-parallel split); a Partial gradient (a torch
+    style of the user's may leave one) is summed first. A plain tensor counts as replicated.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     parts: list[torch.Tensor] = []
@@ -37,6 +38,11 @@ def total_norm(grads: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
     for grad in grads:
         if is_dtensor(grad):
             dtensor: Any = grad
+            if any(p.is_partial() for p in dtensor.placements):  # partial sums: add them first
+                from torch.distributed.tensor import Replicate
+
+                dtensor = dtensor.redistribute(dtensor.device_mesh, [
+                    Replicate() if p.is_partial() else p for p in dtensor.placements])
             pieces = math.prod(dtensor.device_mesh.size(i) for i, placement
                                in enumerate(dtensor.placements) if not placement.is_replicate())
             parts.append(dtensor.to_local())

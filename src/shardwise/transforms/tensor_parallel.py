@@ -30,6 +30,7 @@ from shardwise.tp_plan import (
     whole_owners,
 )
 from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.shard import shard
 
 __all__ = ["TensorParallel", "tensor_parallel"]
 
@@ -120,7 +121,9 @@ class TensorParallel(Transform):
     def check(self, env: Env) -> None:
         """Raises EnvError when the size does not divide the world (several processes)."""
         if env.is_distributed:
-            layout(env, tp=self.size_for(env))
+            asked = None if self.size is not None else \
+                f"size=None: the {env.local_world_size} ranks of a node"
+            layout(env, tp=self.size_for(env), asked=asked)
 
     def record(self, plan: Plan) -> Plan:
         return attrs.evolve(plan, tensor_parallel=self)
@@ -183,6 +186,15 @@ class TensorParallel(Transform):
             keep_whole(modules[name], mesh["tp"])
         rebind_optimizer(bundle.optimizer, names, model)
         return attrs.evolve(bundle, mesh=mesh, engine=self.engine(env))
+
+    def data_distribution(self, env: Env) -> Transform | None:
+        """What distributes the data ranks when the pipeline is given no distribution:
+        ``shard()`` over the ranks the groups leave (DDP cannot run DTensor layers), or
+        None when one group spans the world. The one place this is decided: the default
+        choice and the memory estimate ask it."""
+        if not env.is_distributed or self.size_for(env) >= env.world_size:
+            return None
+        return shard()
 
     def engine(self, env: Env) -> Engine:
         """The engine this transform puts in the bundle when no distribution follows it

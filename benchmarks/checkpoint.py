@@ -1,11 +1,16 @@
 # Checkpoint cost on 2 CPU ranks: sw.save / sw.load (sharded DCP) vs rank 0 torch.save of a full state dict.
-"""Save and load time and bytes written for a ~100M-parameter model with AdamW state.
+"""Save and load time and bytes written for a ~100M-parameter model with AdamW state, and
+the training time a save costs, blocking against ``blocking=False``.
 
 Both methods run in one 2-rank gloo job on the same sharded model: shardwise writes each
 rank's shards in parallel; the baseline gathers the full model and optimizer state to rank
 0 (``get_state_dict(full_state_dict=True, cpu_offload=True)``) and ``torch.save``s it.
+Time lost per save: ``STEPS`` optimizer steps with a save after every ``EVERY``-th, minus
+the same steps without saves, divided by the saves (the last one waited for); rounds of the
+three alternate (none, blocking, async), the median kept.
 
     python benchmarks/checkpoint.py [--dim 768] [--layers 12] [--dir /tmp/sw-ckpt-bench]
+        [--rounds 2]
 """
 
 from __future__ import annotations
@@ -28,7 +33,28 @@ def size_of(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def bench(dim: int, layers: int, root: str) -> dict[str, float]:
+STEPS, EVERY = 6, 2
+
+
+def train_with_saves(bundle: sw.Bundle, state: sw.TrainState, batch: dict[str, torch.Tensor],
+                     root: str, mode: str) -> tuple[sw.TrainState, float]:
+    """Seconds for STEPS steps saving every EVERY-th ("none", "blocking" or "async")."""
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(1, STEPS + 1):
+        state, _ = bundle.step(state, batch)
+        if mode != "none" and i % EVERY == 0:
+            sw.save(root, bundle, bundle.check(state), keep_last=1, blocking=mode == "blocking")
+    state = bundle.check(state)
+    if mode == "async":
+        from shardwise.checkpoint_async import wait_for_saves
+
+        wait_for_saves()
+    dist.barrier()
+    return state, time.perf_counter() - start
+
+
+def bench(dim: int, layers: int, root: str, rounds: int) -> dict[str, float]:
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=8000, dim=dim, heads=12, layers=layers, max_len=64)
     params = sum(p.numel() for p in model.parameters())
@@ -63,6 +89,14 @@ def bench(dim: int, layers: int, root: str) -> dict[str, float]:
         torch.load(full, weights_only=True)
         out["full_load_s"] = time.perf_counter() - start  # rank 0 read only, before scatter
     dist.barrier()
+    batch = {"input_ids": ids, "labels": ids}
+    times: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}
+    for _ in range(rounds):
+        for mode in times:
+            state, seconds = train_with_saves(bundle, state, batch, str(Path(root) / mode), mode)
+            times[mode].append(seconds)
+    for mode, samples in times.items():
+        out[f"train_{mode}_s"] = sorted(samples)[len(samples) // 2]
     return out
 
 
@@ -71,10 +105,12 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--dir", default="/tmp/sw-ckpt-bench")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    r = run_distributed(bench, args.dim, args.layers, args.dir, world_size=2, timeout=1200)[0]
+    r = run_distributed(bench, args.dim, args.layers, args.dir, args.rounds, world_size=2,
+                        timeout=3600)[0]
     shutil.rmtree(args.dir, ignore_errors=True)
     gb = 1e9
     print(f"model: {r['params'] / 1e6:.1f}M parameters, AdamW state, 2 gloo ranks, shard()")
@@ -83,6 +119,13 @@ def main() -> None:
     print(f"  rank-0 gather + torch.save  {r['full_save_s']:7.2f} s   {r['full_bytes'] / gb:6.2f} GB")
     print(f"  rank-0 torch.load (only)    {r['full_load_s']:7.2f} s")
     print(f"  save ratio sw / rank-0      {r['sw_save_s'] / r['full_save_s']:7.2f}")
+    saves = STEPS // EVERY
+    base = r["train_none_s"]
+    print(f"training {STEPS} steps, a save every {EVERY} ({saves} saves), median of "
+          f"{args.rounds} alternating rounds:")
+    for mode in ("none", "blocking", "async"):
+        lost = (r[f"train_{mode}_s"] - base) / saves
+        print(f"  {mode:<9} {r[f'train_{mode}_s']:7.2f} s   lost per save {lost:6.2f} s")
 
 
 if __name__ == "__main__":

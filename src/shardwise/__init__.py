@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
     from shardwise import errors, policies
     from shardwise.bundle import Bundle, Plan
     from shardwise.checkpoint import latest_checkpoint, load, save
+    from shardwise.checkpoint_async import AsyncSave
     from shardwise.configured import from_config, from_ddp_args, from_training_args
     from shardwise.data import to_device
     from shardwise.distributed import ensure_process_group, main_process_first
@@ -52,6 +53,7 @@ _LAZY = {
     "errors": "shardwise", "policies": "shardwise", "Bundle": "shardwise.bundle",
     "Plan": "shardwise.bundle", "latest_checkpoint": "shardwise.checkpoint",
     "load": "shardwise.checkpoint", "save": "shardwise.checkpoint",
+    "AsyncSave": "shardwise.checkpoint_async",
     "to_device": "shardwise.data", "ensure_process_group": "shardwise.distributed",
     "main_process_first": "shardwise.distributed", "CONFIG_ENV_VAR": "shardwise.env",
     "Env": "shardwise.env", "detect": "shardwise.env", "export": "shardwise.export",
@@ -94,6 +96,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0+unknown"
 
 __all__ = [
+    "AsyncSave",
     "CONFIG_ENV_VAR",
     "Bundle",
     "Env",

@@ -25,7 +25,7 @@ import attrs
 import torch
 from torch.utils._pytree import tree_map
 
-from shardwise import _integrity, _rng
+from shardwise import _integrity, _rng, checkpoint_async
 from shardwise._layout import (
     LATEST,
     META,
@@ -37,10 +37,12 @@ from shardwise._layout import (
     read_json,
     write_durably,
 )
+from shardwise._text import short
 from shardwise.bundle import Bundle
+from shardwise.checkpoint_async import AsyncSave, cause, wait_for_saves
 from shardwise.data import DeviceLoader
 from shardwise.distributed import all_agree, joined
-from shardwise.errors import CheckpointError
+from shardwise.errors import ArgumentError, CheckpointError
 from shardwise.state import TrainState
 
 if TYPE_CHECKING:
@@ -77,7 +79,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *,
-         keep_last: int | None = None) -> Path:
+         keep_last: int | None = None, blocking: bool = True) -> Path | AsyncSave:
     """Write a sharded checkpoint of ``bundle`` and ``state``; every rank must call it.
 
     Args:
@@ -86,9 +88,15 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         state: the state after the last step (at the end of an accumulation window).
         keep_last: keep only this many complete checkpoints (older ones are deleted after
             the new one is complete).
+        blocking: ``False`` returns as soon as the state is copied to host memory; the
+            files are written in the background and the checkpoint is published (checksums,
+            ``latest``, ``keep_last``) once every rank's are written. At most one save is in
+            flight: a later save, ``sw.load`` and the process's end wait for it.
 
     Returns:
-        The checkpoint's directory.
+        The checkpoint's directory; with ``blocking=False`` an
+        :class:`~shardwise.checkpoint_async.AsyncSave` handle (``done()``, ``result()``
+        -> the directory, raising :class:`CheckpointError` if the save failed).
 
     Raises:
         CheckpointError: mid-window state, unwritable directory or full disk (the previous
@@ -107,6 +115,13 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             "(after a step whose out.stepped is True; state.window_batches == 0)")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"save() 'keep_last' must be an integer >= 1 or None (got {keep_last!r})")
+    if not isinstance(blocking, bool):
+        raise ArgumentError(f"save() 'blocking' must be True or False (got {short(blocking)})")
+    if not blocking and bundle.engine.own_checkpoint is not None:
+        raise ArgumentError(f"save(blocking=False) writes DCP's files in the background; the "
+                            f"{bundle.engine.name} engine saves in its own format: use "
+                            "blocking=True")
+    wait_for_saves()  # at most one in flight: the previous one is published first
     state = bundle.check(state)  # never save after a step whose check is still unread
     env, root = bundle.env, Path(directory)
     final, tmp = root / f"step_{state.step:08d}", root / f".tmp.step_{state.step:08d}"
@@ -144,6 +159,9 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if not blocking:
+        return _start_async(bundle, state, root, tmp, final, keep_last, meta, fresh,
+                            {"model": model_sd, "optimizer": tensors})
     try:
         if own is None:
             with _dcp_quietly():
@@ -156,7 +174,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             _write_json(tmp / META, meta)
         digests = _integrity.digests_of(tmp, env.rank, own)
     except (Exception, CheckpointException) as exc:  # DCP's wraps the rank's OSError
-        ok, problem, digests = False, _cause(exc), {}
+        ok, problem, digests = False, cause(exc), {}
     if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
         bundle.optimizer.state.clear()
     if not all_agree(env, ok):
@@ -173,6 +191,29 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         raise CheckpointError(f"publishing checkpoint {final} failed ({problem}); "
                               f"{root / LATEST} still names the previous checkpoint")
     return final
+
+
+def _start_async(bundle: Bundle, state: TrainState, root: Path, tmp: Path, final: Path,
+                 keep_last: int | None, meta: dict[str, Any], fresh: bool,
+                 tensors: dict[str, Any]) -> AsyncSave:
+    """The small files now (RNG as of this call, the record), the tensors staged to host
+    memory and written in the background (:mod:`shardwise.checkpoint_async`)."""
+    env = bundle.env
+    ok, problem = True, ""
+    try:
+        _write_json(tmp / "rng" / f"rank_{env.rank:05d}.json", _rng.capture())
+        if env.is_main:
+            _write_json(tmp / META, meta)
+    except OSError as exc:
+        ok, problem = False, f"{type(exc).__name__}: {exc}"
+    if not all_agree(env, ok):
+        raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
+                              "; the previous checkpoint is intact")
+    with _dcp_quietly():
+        handle = checkpoint_async.start(env, root, tmp, final, state.step, keep_last, tensors)
+    if fresh and bundle.optimizer is not None:  # staged already: undo what get_state_dict made
+        bundle.optimizer.state.clear()
+    return handle
 
 
 def _refuse_code(model_sd: dict[str, Any]) -> None:
@@ -195,17 +236,6 @@ def _refuse_code(model_sd: dict[str, Any]) -> None:
                 "data (numbers, strings, lists, dicts, tensors); a checkpoint holding it could "
                 "run code when loaded, so it is not written. Return plain data or tensors from "
                 "get_extra_state()")
-
-
-def _cause(exc: BaseException) -> str:
-    """The first line of the underlying error: DCP wraps each rank's in a CheckpointException."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if isinstance(exc, CheckpointException):
-        for failure in exc.failures.values():
-            cause = failure[0] if isinstance(failure, tuple) else failure
-            return f"{type(cause).__name__}: {cause}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _data_position(bundle: Bundle, state: TrainState) -> dict[str, Any]:
@@ -290,6 +320,7 @@ def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
     Example:
         >>> state = sw.load("checkpoints", bundle)
     """
+    wait_for_saves()  # a checkpoint being written is published (or failed) first
     path = _intact(Path(directory), bundle)
     ok, problem, meta, state, rng = True, "", {}, TrainState(), None
     try:  # everything JSON is read and checked on every rank before anything is changed
@@ -341,7 +372,7 @@ def _load_own(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
     except CheckpointError as exc:
         ok, problem = False, str(exc)
     except Exception as exc:  # the engine's own reader: its errors are many types
-        ok, problem = False, f"reading {path} failed ({_cause(exc)})"
+        ok, problem = False, f"reading {path} failed ({cause(exc)})"
     if not all_agree(env, ok):
         raise CheckpointError(problem or f"loading {path} failed on another rank")
 
@@ -366,7 +397,7 @@ def _load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
             dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(),
                      no_dist=not joined(bundle.env))
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"reading checkpoint {path} failed ({_cause(exc)}); the checkpoint "
+        raise CheckpointError(f"reading checkpoint {path} failed ({cause(exc)}); the checkpoint "
                               "is partial or corrupt; nothing was restored") from None
     engine.load_state_dicts(bundle.model, bundle.optimizer, target, meta["optimizer"])
 

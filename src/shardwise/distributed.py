@@ -19,7 +19,7 @@ from shardwise.env import Env, detect
 from shardwise.errors import CollectiveError, EnvError
 
 __all__ = ["ensure_process_group", "joined", "all_agree", "main_process_first",
-           "collective_failure"]
+           "collective_failure", "side_group"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,9 @@ _started: tuple[dist.ProcessGroup | None, dist.Store] | None = None
 _reports: dist.Store | None = None
 # set by the excepthook shardwise installs when it starts a group: this rank is failing
 _failing: list[BaseException] = []
+# a gloo group beside the default one, for collectives a background thread runs (DCP's
+# async save) so that they never interleave with the step's; made on first use
+_side: list[dist.ProcessGroup] = []
 
 
 def _exit_barrier(store: dist.Store, rank: int, world_size: int) -> None:
@@ -231,6 +234,14 @@ def ensure_process_group(env: Env) -> None:
         atexit.register(_shutdown)
         sys.excepthook = _note_failure(sys.excepthook)  # type: ignore[assignment]
     _started = (dist.group.WORLD, exit_store)
+
+
+def side_group() -> dist.ProcessGroup:
+    """A gloo group of all ranks beside the default one, for a background thread's
+    collectives (made once, on first use: every rank must call it then)."""
+    if not _side:
+        _side.append(dist.new_group(backend="gloo"))
+    return _side[0]
 
 
 def joined(env: Env) -> bool:

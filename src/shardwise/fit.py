@@ -18,6 +18,7 @@ import torch
 from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.checkpoint import latest_checkpoint, load, save
+from shardwise.checkpoint_async import wait_for_saves
 from shardwise.errors import ArgumentError
 from shardwise.loggers import Logger
 from shardwise.metrics import reduce
@@ -71,7 +72,8 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
         checkpoint_every: int | None = None, keep_last: int | None = None,
         eval_fn: Callable[[Bundle], Mapping[str, float]] | None = None,
         eval_every: int | None = None, log_every: int | None = 10,
-        loggers: Iterable[Logger] = (), progress: bool = True) -> TrainState:
+        loggers: Iterable[Logger] = (), progress: bool = True,
+        async_checkpoints: bool = False) -> TrainState:
     """Train ``bundle`` for ``epochs`` epochs of ``bundle.loader`` and/or ``steps`` optimizer
     steps (whichever ends first), and return the final state.
 
@@ -81,6 +83,9 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     ``log_every`` optimizer steps the mean loss over those steps and all ranks (one
     reduction) goes to Python logging, the progress bar and ``loggers``; ``eval_fn(bundle)``
     returns metrics, run every ``eval_every`` steps and at the end. Every rank calls it.
+    ``async_checkpoints=True`` writes the periodic checkpoints in the background
+    (``sw.save(..., blocking=False)``: training goes on while the files are written); the
+    last one, at the end or on Ctrl-C, is waited for before ``fit`` returns or re-raises.
 
     Example:
         >>> bundle = sw.pipeline(sw.detect())(model, optimizer, loader, eval_loader=val)
@@ -95,6 +100,9 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     if not isinstance(loggers, (str, bytes)) and hasattr(loggers, "__iter__"):
         loggers = list(loggers)
     _check_kinds(bundle, state, checkpoint_dir, eval_fn, loggers, progress)
+    if not isinstance(async_checkpoints, bool):
+        raise ArgumentError(f"fit() 'async_checkpoints' must be True or False (got "
+                            f"{short(async_checkpoints)})")
     if (checkpoint_every is not None or keep_last is not None) and checkpoint_dir is None:
         raise ArgumentError("fit() 'checkpoint_every' and 'keep_last' need a 'checkpoint_dir'")
     if eval_every is not None and eval_fn is None:
@@ -115,10 +123,10 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
         for logger in loggers:
             logger.log(metrics, boundary.step)
 
-    def checkpoint() -> None:
+    def checkpoint(background: bool = False) -> None:
         nonlocal saved
         if checkpoint_dir is not None and saved != boundary.step:
-            save(checkpoint_dir, bundle, boundary, keep_last=keep_last)
+            save(checkpoint_dir, bundle, boundary, keep_last=keep_last, blocking=not background)
             saved = boundary.step
 
     def evaluate() -> None:
@@ -149,7 +157,7 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
                     if bar is not None:
                         bar.set_postfix(loss=f"{loss:.4g}", lr=f"{out.lr or 0.0:.3g}")
                 if checkpoint_every and state.step % checkpoint_every == 0:
-                    checkpoint()
+                    checkpoint(background=async_checkpoints)
                 if eval_every and state.step % eval_every == 0:
                     evaluate()
                 if steps is not None and state.step >= steps:
@@ -160,9 +168,11 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
         boundary = bundle.check(boundary)
         evaluate()
         checkpoint()
+        wait_for_saves()  # the last periodic save may be the final step's, still in flight
     except KeyboardInterrupt:
         log.warning("interrupted at step %d: saving the last completed step", boundary.step)
         checkpoint()
+        wait_for_saves()
         raise
     finally:
         if bar is not None:

@@ -1,0 +1,231 @@
+# Checkpoints that don't stop training: DCP's async_save, published when every rank's files are written.
+"""``sw.save(..., blocking=False)``: the state is staged to host memory (DCP's ``async_save``
+copies it before returning), the files are written by a background thread, and the
+checkpoint is published (checksums, ``step_N``, ``latest``, ``keep_last``) by rank 0 only
+after every rank has reported its files written. The ranks report on the rendezvous store,
+not with collectives, so the step's collectives and the save's never meet; DCP's own
+planning collectives run on a separate gloo group.
+
+At most one save is in flight per process: a new save (blocking or not), ``sw.load`` and
+the end of the process wait for it first. A process killed while a save is in flight
+leaves ``latest`` naming the previous checkpoint, intact (the new one is still
+``.tmp.step_N``, which the next save removes).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import logging
+import shutil
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise import _integrity
+from shardwise._layout import publish, write_durably
+from shardwise.distributed import joined, side_group
+from shardwise.env import Env
+from shardwise.errors import CheckpointError
+
+__all__ = ["AsyncSave", "start", "wait_for_saves", "cause"]
+
+log = logging.getLogger("shardwise.checkpoint")
+
+
+def cause(exc: BaseException) -> str:
+    """The first line of the underlying error: DCP wraps each rank's in a CheckpointException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            underlying = failure[0] if isinstance(failure, tuple) else failure
+            return f"{type(underlying).__name__}: {underlying}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class AsyncSave:
+    """A checkpoint being written in the background; returned by ``sw.save(..., blocking=False)``.
+
+    Example:
+        >>> handle = sw.save("checkpoints", bundle, state, blocking=False)
+        >>> ...                     # training goes on while the files are written
+        >>> path = handle.result()  # published: latest names it
+    """
+
+    def __init__(self, final: Path) -> None:
+        self.path = final
+        self._thread: threading.Thread | None = None  # set by start()
+        self._error: str | None = None
+
+    def done(self) -> bool:
+        """Whether the save has finished (published, or failed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def result(self, timeout: float | None = None) -> Path:
+        """Wait for the save; the published checkpoint's directory.
+
+        Raises:
+            CheckpointError: the save failed on some rank (nothing was published; ``latest``
+                names the previous checkpoint), or ``timeout`` seconds passed.
+        """
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if not self.done():
+            raise CheckpointError(f"the checkpoint {self.path} is still being written after "
+                                  f"{timeout} s")
+        _forget(self)
+        if self._error is not None:
+            raise CheckpointError(self._error)
+        return self.path
+
+    def __repr__(self) -> str:
+        status = "in flight" if not self.done() else "failed" if self._error else "published"
+        return f"AsyncSave({str(self.path)!r}, {status})"
+
+
+class _InFlight:
+    """The one save a process may have in flight, and how many it started (the same count
+    on every rank, so their keys on the store match)."""
+
+    def __init__(self) -> None:
+        self.handle: AsyncSave | None = None
+        self.started = 0
+        self.exit_hook = False
+
+
+_IN_FLIGHT = _InFlight()  # this process's; shared by every bundle, as the store is
+
+
+def _forget(handle: AsyncSave) -> None:
+    if _IN_FLIGHT.handle is handle:
+        _IN_FLIGHT.handle = None
+
+
+def wait_for_saves() -> None:
+    """Wait for this process's save in flight, if any.
+
+    Raises:
+        CheckpointError: it failed (nothing was published).
+    """
+    handle = _IN_FLIGHT.handle
+    if handle is not None:
+        handle.result()
+
+
+def _wait_at_exit() -> None:
+    handle = _IN_FLIGHT.handle
+    if handle is not None:
+        log.info("waiting for the checkpoint %s being written before exiting", handle.path)
+        try:
+            handle.result()
+        except CheckpointError as exc:
+            log.error("%s", exc)
+
+
+def start(env: Env, root: Path, tmp: Path, final: Path, step: int, keep_last: int | None,
+          state: dict[str, Any]) -> AsyncSave:
+    """Stage ``state`` to host memory and write it into ``tmp`` in the background; rank 0
+    publishes it as ``final`` once every rank's files are written. Every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    distributed = joined(env)
+    group = side_group() if distributed else None  # DCP's collectives off the step's group
+    _IN_FLIGHT.started += 1
+    key = f"shardwise/async_save/{_IN_FLIGHT.started}"
+    future: Any = dcp.async_save(state, storage_writer=FileSystemWriter(tmp),
+                                 process_group=group, no_dist=not distributed)
+    report = _Report(env, key) if distributed else None
+    handle = AsyncSave(final)
+    handle._thread = threading.Thread(
+        target=_finish, name=f"shardwise-save-{final.name}", daemon=False,
+        args=(handle, env, root, tmp, final, step, keep_last, future, report))
+    _IN_FLIGHT.handle = handle
+    if not _IN_FLIGHT.exit_hook:  # registered after the group's own exit: runs before it
+        atexit.register(_wait_at_exit)
+        _IN_FLIGHT.exit_hook = True
+    handle._thread.start()
+    return handle
+
+
+class _Report:
+    """Each rank's outcome on the rendezvous store, and rank 0's verdict."""
+
+    def __init__(self, env: Env, key: str) -> None:
+        self.store = dist.distributed_c10d._get_default_store()
+        self.env, self.key = env, key
+        # writing may take long on a large model: the job's own collective timeout, at least
+        self.timeout = max(env.timeout, datetime.timedelta(minutes=30))
+
+    def post(self, digests: dict[str, str], error: str | None) -> None:
+        value = json.dumps({"digests": digests, "error": error})
+        self.store.set(f"{self.key}/rank_{self.env.rank}", value)
+
+    def gather(self) -> list[dict[str, Any]]:
+        keys = [f"{self.key}/rank_{r}" for r in range(self.env.world_size)]
+        self.store.wait(keys, self.timeout)
+        return [json.loads(self.store.get(k)) for k in keys]
+
+    def verdict(self, error: str | None) -> None:
+        self.store.set(f"{self.key}/verdict", json.dumps({"error": error}))
+
+    def wait_verdict(self) -> str | None:
+        self.store.wait([f"{self.key}/verdict"], self.timeout)
+        error: str | None = json.loads(self.store.get(f"{self.key}/verdict"))["error"]
+        return error
+
+
+def _finish(handle: AsyncSave, env: Env, root: Path, tmp: Path, final: Path, step: int,
+            keep_last: int | None, future: Future[Any], report: _Report | None) -> None:
+    """The background half: wait for this rank's files, report, and on rank 0 publish."""
+    error: str | None = None
+    digests: dict[str, str] = {}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        future.result()
+        digests = _integrity.digests_of(tmp, env.rank)
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        error = f"rank {env.rank}: {cause(exc)}"
+    try:
+        if report is not None:
+            report.post(digests, error)
+        if env.is_main:
+            outcomes = report.gather() if report is not None else [{"digests": digests,
+                                                                   "error": error}]
+            error = _publish(env, root, tmp, final, step, keep_last, outcomes)
+            if report is not None:
+                report.verdict(error)
+        elif report is not None:
+            error = report.wait_verdict()
+    except Exception as exc:  # the store went away (a rank died): nothing is published
+        error = f"{type(exc).__name__}: {exc}"
+    if error is not None:
+        handle._error = (f"writing checkpoint {final} in the background failed ({error}); "
+                         f"{root / 'latest'} still names the previous checkpoint")
+
+
+def _publish(env: Env, root: Path, tmp: Path, final: Path, step: int, keep_last: int | None,
+             outcomes: list[dict[str, Any]]) -> str | None:
+    """Rank 0: the manifest of every rank's digests and the one-rename publish, or the
+    first rank's error (the unpublished files removed)."""
+    errors = [o["error"] for o in outcomes if o["error"]]
+    if errors:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return "; ".join(errors)
+    files: dict[str, str] = {}
+    for outcome in outcomes:
+        files.update(outcome["digests"])
+    manifest = {"files": files, "sealed": _integrity.sealed(files)}
+    try:
+        write_durably(tmp / _integrity.MANIFEST, json.dumps(manifest, indent=1))
+        publish(root, tmp, final, step, keep_last)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    log.info("checkpoint %s published (written in the background)", final)
+    return None

@@ -16,6 +16,10 @@ echo
 # worker processes (not yet run on a GPU)
 compare=0
 "$PY" benchmarks/compare.py --device cuda --quick --rounds 12 --steps 4 || compare=$?
+# regional vs whole-model compile on the GPU (fresh processes, cold inductor caches)
+comp=0
+echo
+"$PY" benchmarks/compile.py --layers 4 8 --no-ranks || comp=$?
 # tensor parallel needs a second GPU (NCCL cannot put two ranks on one device)
 tp=0
 gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
@@ -25,7 +29,7 @@ if [ "$gpus" -ge 2 ]; then
 else
   echo "tensor parallel row: skipped, $gpus CUDA device(s) here (tp_check.py needs 2)"
 fi
-if [ "$check" -ne 0 ] || [ "$compare" -ne 0 ] || [ "$tp" -ne 0 ]; then
-  echo "gpu_check.sh: gpu_check.py exited $check, compare.py exited $compare, tp_check.py exited $tp" >&2
+if [ "$check" -ne 0 ] || [ "$compare" -ne 0 ] || [ "$tp" -ne 0 ] || [ "$comp" -ne 0 ]; then
+  echo "gpu_check.sh: gpu_check.py exited $check, compare.py exited $compare, tp_check.py exited $tp, compile.py exited $comp" >&2
   exit 1
 fi

@@ -75,15 +75,21 @@ def test_each_launcher_setting_becomes_its_transform(variables, expected):
     assert sorted(map(repr, configured(sw.pipeline(env)))) == sorted(map(repr, expected))
 
 
-def test_use_cpu_puts_the_job_on_the_cpu_and_dynamo_gives_a_notice(caplog):
+def test_use_cpu_puts_the_job_on_the_cpu_and_dynamo_compiles(caplog):
     caplog.set_level(logging.WARNING, "shardwise.configs")
     env = sw.detect(environ={"ACCELERATE_USE_CPU": "true", "ACCELERATE_MIXED_PRECISION": "no",
-                             "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_FOO": "1"})
+                             "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_FOO": "1",
+                             "ACCELERATE_DYNAMO_MODE": "max-autotune",
+                             "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true"})
     assert env.device.type == "cpu"
-    notes = "\n".join(sw.pipeline(env).notes)
-    assert "ACCELERATE_DYNAMO_BACKEND is not applied (no compile yet)" in notes
+    pipe = sw.pipeline(env)
+    assert sw.compile(backend="inductor", mode="max-autotune",
+                      regional=True) in configured(pipe)
+    notes = "\n".join(pipe.notes)
     assert "ACCELERATE_FOO is not read by shardwise" in notes
-    assert "ACCELERATE_DYNAMO_BACKEND is not applied" in caplog.text
+    assert "DYNAMO_BACKEND is not" not in notes and "DYNAMO" not in caplog.text
+    with pytest.raises(sw.errors.ConfigError, match=r"ACCELERATE_DYNAMO_BACKEND='TURBO'"):
+        sw.pipeline(sw.detect(environ={"ACCELERATE_DYNAMO_BACKEND": "TURBO"}))
 
 
 def test_only_logging_variables_change_nothing():

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
     from shardwise.transforms.base import Transform
     from shardwise.transforms.checkpoint_activations import checkpoint_activations
     from shardwise.transforms.clip_gradients import clip_gradients
+    from shardwise.transforms.compile_blocks import compile
     from shardwise.transforms.deepspeed import deepspeed
     from shardwise.transforms.distribute_data import distribute_data
     from shardwise.transforms.mixed_precision import mixed_precision
@@ -66,7 +67,7 @@ _LAZY = {
     "by_size": "shardwise.policies", "StepOutput": "shardwise.state",
     "TrainState": "shardwise.state",
     **dict.fromkeys(["Transform", "accumulate_gradients", "checkpoint_activations",
-                     "clip_gradients", "deepspeed", "distribute_data", "mixed_precision",
+                     "clip_gradients", "compile", "deepspeed", "distribute_data", "mixed_precision",
                      "offload", "place", "replicate", "shard", "shard_optimizer",
                      "tensor_parallel"],
                     "shardwise.transforms"),
@@ -115,6 +116,7 @@ __all__ = [
     "by_size",
     "checkpoint_activations",
     "clip_gradients",
+    "compile",
     "deepspeed",
     "detect",
     "distribute_data",

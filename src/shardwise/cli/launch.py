@@ -47,8 +47,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="run on the CPU even where GPUs are visible (use_cpu: true)")
     parser.add_argument("--multi_gpu", action="store_true",
                         help="one process per GPU, replicated (distributed_type: MULTI_GPU)")
-    parser.add_argument("--dynamo_backend", help="accepted for Accelerate's command lines; "
-                        "shardwise does not compile: call torch.compile in the script")
+    parser.add_argument("--dynamo_backend", help="compile the model with this torch.compile "
+                        "backend (dynamo_config.dynamo_backend: sw.compile(backend=..., "
+                        "regional=False), as Accelerate compiles the whole model)")
     parser.add_argument("-m", "--module", action="store_true",
                         help="run the script as a module, like python -m")
     parser.add_argument("script")
@@ -81,10 +82,8 @@ def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None, bo
     if args.multi_gpu:
         flags["distributed_type"] = "MULTI_GPU"
     if args.dynamo_backend not in (None, "no", "NO"):
-        flags["dynamo_config"] = {"dynamo_backend": args.dynamo_backend}
-        print(f"shardwise launch: --dynamo_backend {args.dynamo_backend} has no effect: shardwise "
-              "does not compile the model; call torch.compile(model, backend=...) in the script",
-              file=sys.stderr)
+        flags["dynamo_config"] = {**data.get("dynamo_config", {}),
+                                  "dynamo_backend": args.dynamo_backend}
     # only a flag that changes what the script reads makes a new config worth handing over
     # (the file itself is handed over as it is)
     for_script = any(data.get(key) != value for key, value in flags.items()

@@ -10,6 +10,7 @@ from typing import Any
 
 from shardwise._config_source import Shape, Source, load_source
 from shardwise.configs.deepspeed import Said, Settings, build, device, merge, positive, read_json, said, stage
+from shardwise.configs.dynamo import dynamo_transforms
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.configs.parallelism import asks_for_mesh, parallelism_transforms
 from shardwise.env import Env
@@ -26,7 +27,6 @@ _TPU = "is for TPUs"
 IGNORED: dict[str, tuple[Shape | None, str]] = {
     "tpu_env": (None, _TPU), "tpu_use_cluster": (None, _TPU), "tpu_use_sudo": (None, _TPU),
     "commands": (None, _TPU), "command_file": (None, _TPU),
-    "dynamo_config": ("mapping", "is not applied (no compile yet)"),
     "downcast_bf16": (None, "is for TPUs: bf16 here keeps fp32 master weights"),
     "ipex_config": ("mapping", "is not applied (Intel extension)"),
     "mpirun_config": ("mapping", "is not applied (launch with mpirun yourself; sw.detect reads "
@@ -34,7 +34,7 @@ IGNORED: dict[str, tuple[Shape | None, str]] = {
     "megatron_lm_config": ("mapping", "is not applied (Megatron-LM is not driven by shardwise)"),
     "fp8_config": ("mapping", "is not applied (fp8 is not supported)")}
 TOP = {"distributed_type", "mixed_precision", "fsdp_config", "deepspeed_config",
-       "parallelism_config", *LAUNCH, *IGNORED}
+       "parallelism_config", "dynamo_config", *LAUNCH, *IGNORED}
 _DS_ONLY: dict[str, Shape] = {
     "zero3_init_flag": "bool", "zero3_save_16bit_model": "bool",
     "deepspeed_multinode_launcher": "text", "deepspeed_hostfile": "text",
@@ -192,8 +192,9 @@ def accelerate_transforms(src: Source, env: Env) -> list[Transform]:
     for key, needs in blocks.items():
         if block[key] and kind != needs:
             src.notice(key, f"is not applied: distributed_type is {kind}, not {needs}")
+    compiled = dynamo_transforms(src, src.mapping("dynamo_config", cfg.get("dynamo_config")))
     if kind == "DEEPSPEED":  # precision is one of its settings (the file may give it too)
-        return _deepspeed_block(src, block["deepspeed_config"], precision, env)
+        return [*_deepspeed_block(src, block["deepspeed_config"], precision, env), *compiled]
     out: list[Transform] = []
     if kind in ("MULTI_CPU", "MULTI_GPU"):
         out.append(replicate())
@@ -202,6 +203,7 @@ def accelerate_transforms(src: Source, env: Env) -> list[Transform]:
     mesh = src.mapping("parallelism_config", cfg.get("parallelism_config"))
     if mesh:
         out = _parallelism(src, mesh, out, kind, block["fsdp_config"], env)
+    out += compiled
     if precision == "no":  # Accelerate's full precision, said explicitly: fp32, not a default
         return [*out, mixed_precision("fp32")] if "mixed_precision" in cfg else out
     return [*out, mixed_precision(precision)]

@@ -134,8 +134,10 @@ def _to_config(variables: dict[str, str], env: Env) -> tuple[dict[str, Any], dic
         cfg["parallelism_config"] = mesh
     backend = variables.get("ACCELERATE_DYNAMO_BACKEND", "NO").strip().upper()
     if backend != "NO":
-        cfg["dynamo_config"] = {"dynamo_backend": backend}
-        names["dynamo_config"] = "ACCELERATE_DYNAMO_BACKEND"
+        dynamo: dict[str, Any] = {}
+        for var in sorted(v for v in variables if v.startswith("ACCELERATE_DYNAMO_")):
+            put(dynamo, "dynamo_config.", var.removeprefix("ACCELERATE_").lower(), var)
+        cfg["dynamo_config"] = dynamo
     return cfg, names
 
 

@@ -20,6 +20,7 @@ import attrs
 from shardwise._config_source import Source, load_source, short
 from shardwise.configs import ddp_settings
 from shardwise.configs.deepspeed import BatchCheck, Said, build, merge, read_json
+from shardwise.configs.dynamo import compile_of
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.configs.parallelism import SIZES, asks_for_mesh, parallelism_transforms
 from shardwise.env import Env, detect
@@ -77,6 +78,10 @@ ARGUMENTS: dict[str, str] = {
                           "-> tensor_parallel(size=...), dp_shard_size -> shard() over the "
                           "data ranks, dp_replicate_size -> HSDP across nodes (or replicate() "
                           "alone); cp_size/sp_size > 1 refused",
+    "torch_compile": "compile(regional=False): the whole model, as the Trainer compiles it",
+    "torch_compile_backend": "compile(backend=...) (setting it implies torch_compile=True, as "
+                             "in Transformers)",
+    "torch_compile_mode": "compile(mode=...) (setting it implies torch_compile=True)",
     # precision and the step
     "bf16": "mixed_precision(\"bf16\"); with neither bf16 nor fp16: mixed_precision(\"fp32\")",
     "fp16": "mixed_precision(\"fp16\") (a GradScaler; needs a GPU)",
@@ -158,9 +163,6 @@ NOTICED: dict[str, str] = {
     "bf16_full_eval": "is not applied: bundle.predict evaluates at the training precision",
     "fp16_full_eval": "is not applied: bundle.predict evaluates at the training precision",
     "tf32": "is not applied: set torch.backends.cuda.matmul.allow_tf32 yourself",
-    "torch_compile": "is not applied (no torch.compile yet)",
-    "torch_compile_backend": "is not applied (no torch.compile yet)",
-    "torch_compile_mode": "is not applied (no torch.compile yet)",
     "full_determinism": "is not applied: call torch.use_deterministic_algorithms(True) "
                         "yourself",
     "local_rank": "is not applied: the launcher's LOCAL_RANK is read by sw.detect",
@@ -490,12 +492,21 @@ def read_training_args(args: Any, env: Env | None = None,
             out.append(src.build("max_grad_norm", clip, clip_gradients, clip))
         out.append(per_device_batch(src.integer("per_device_train_batch_size",
                                                 a["per_device_train_batch_size"], 1), origin))
+    out += _compiled(src, a)
     if _checkpointing(src, a) and not any(isinstance(t, CheckpointActivations) for t in out):
         policy = next((t.policy for t in out if isinstance(t, Shard)), None)
         out.append(checkpoint_activations(policy))
     out.append(_data(src, a, accel))
     fit, notes = _loop(src, a)
     return TrainingSettings(overrides, tuple(out), fit, (*src.notices, *notes), origin)
+
+
+def _compiled(src: Source, a: dict[str, Any]) -> list[Transform]:
+    """``torch_compile`` (or a backend or mode, which imply it): the whole model compiled."""
+    backend, mode = a.get("torch_compile_backend"), a.get("torch_compile_mode")
+    if not (src.boolean("torch_compile", a.get("torch_compile", False)) or backend or mode):
+        return []
+    return [compile_of(src, backend or "inductor", mode, where="torch_compile_")]
 
 
 def _mesh_block(src: Source, value: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from shardwise.transforms.checkpoint_activations import (
     checkpoint_activations,
 )
 from shardwise.transforms.clip_gradients import ClipGradients, clip_gradients
+from shardwise.transforms.compile_blocks import Compile, compile
 from shardwise.transforms.deepspeed import DeepSpeed, deepspeed
 from shardwise.transforms.distribute_data import DistributeData, distribute_data
 from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
@@ -19,10 +20,10 @@ from shardwise.transforms.shard_optimizer import ShardOptimizer, shard_optimizer
 from shardwise.transforms.tensor_parallel import TensorParallel, tensor_parallel
 
 __all__ = [
-    "AccumulateGradients", "CheckpointActivations", "ClipGradients", "DeepSpeed", "DistributeData",
+    "AccumulateGradients", "CheckpointActivations", "ClipGradients", "Compile", "DeepSpeed", "DistributeData",
     "MixedPrecision", "Offload", "Place", "Replicate", "Shard", "ShardOptimizer", "Stage", "TensorParallel",
     "Transform",
-    "accumulate_gradients", "checkpoint_activations", "clip_gradients", "deepspeed",
+    "accumulate_gradients", "checkpoint_activations", "clip_gradients", "compile", "deepspeed",
     "distribute_data",
     "mixed_precision", "offload", "place", "replicate", "shard", "shard_optimizer",
     "tensor_parallel",

@@ -21,7 +21,9 @@ __all__ = ["Stage", "Transform", "Distribution", "plan_of", "check_combination"]
 class Stage(enum.IntEnum):
     """The canonical order. Settings first, so every later stage can read them from the plan;
     tensor parallelism before surgery (torchtitan's order): it splits the user's layers as
-    they are, and activation checkpointing then wraps the split blocks' forwards; surgery
+    they are, and activation checkpointing then wraps the split blocks' forwards; compile
+    after checkpointing (a block is compiled with its recomputation) and before the
+    distribution wrappers (FSDP2's hooks stay outside the compiled regions); surgery
     before distribution, because wrappers (DDP, FSDP2) must see the final module tree;
     placement after distribution, because fully_shard places its own shards and DDP is built
     on a module that ``replicate`` moved first; the optimizer stage after placement, because
@@ -32,10 +34,11 @@ class Stage(enum.IntEnum):
     SETTINGS = 1
     TENSOR_PARALLEL = 2
     SURGERY = 3
-    DISTRIBUTION = 4
-    PLACEMENT = 5
-    OPTIMIZER = 6
-    DATA = 7
+    COMPILE = 4
+    DISTRIBUTION = 5
+    PLACEMENT = 6
+    OPTIMIZER = 7
+    DATA = 8
 
 
 class Transform:

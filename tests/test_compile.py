@@ -1,0 +1,131 @@
+# sw.compile(): regional torch.compile, one graph per distinct block, equal to eager under every distribution.
+"""Compiled training must compute what eager training computes: one process, and 2 gloo ranks
+under replicate, shard and tensor_parallel, with activation checkpointing, accumulation and
+clipping. The distributed runs use the ``aot_eager`` backend (dynamo and AOTAutograd, no
+C++ code generation: seconds, not minutes on 2 cores); one run uses ``inductor``."""
+
+import pytest
+import torch
+import torch._dynamo
+import yaml
+from torch.utils.data import DataLoader
+
+import shardwise as sw
+from shardwise.errors import ArgumentError, ConfigError, ConflictError
+from shardwise.testing import SyntheticTokens, TinyTransformerLM, full_state, max_param_diff, run_distributed
+
+from conftest import ONE
+
+STEPS = 3
+
+
+def train(parts, batch_size=4, layers=2):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=32, heads=2, layers=layers)
+    loader = DataLoader(SyntheticTokens(size=64, seq_len=8), batch_size=batch_size, shuffle=True)
+    pipe = sw.pipeline(sw.detect(), *parts, sw.checkpoint_activations(),
+                       sw.accumulate_gradients(2), sw.clip_gradients(0.5))
+    bundle = pipe(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader)
+    state = bundle.init()
+    for batch in bundle.loader:
+        state, _ = bundle.step(state, batch)
+        if state.step == STEPS:
+            break
+    bundle.check(state)
+    return {"params": full_state(bundle.model), "graphs": counters["stats"]["unique_graphs"],
+            "names": sorted(n for n, _ in bundle.model.named_parameters()),
+            "explain": pipe.explain()}
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return {size: train([], batch_size=size) for size in (2, 4)}
+
+
+def test_regional_compile_is_one_graph_per_distinct_block_and_equals_eager(eager):
+    compiled = train([sw.compile(backend="aot_eager")])
+    assert compiled["graphs"] == 1  # two identical layers, one graph
+    assert max_param_diff(compiled["params"], eager[4]["params"]) <= 1e-5
+    assert compiled["names"] == eager[4]["names"]  # no _orig_mod in names or checkpoints
+    four = train([sw.compile(backend="aot_eager")], layers=4)
+    assert four["graphs"] == 1  # flat in the number of layers
+    whole = train([sw.compile(backend="aot_eager", regional=False)])
+    assert max_param_diff(whole["params"], eager[4]["params"]) <= 1e-5
+
+
+def test_a_transformers_llama_is_one_graph_too(caplog):
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=3, num_attention_heads=4,
+                                         num_key_value_heads=2))
+    bundle = sw.pipeline(ONE, sw.compile(backend="aot_eager"))(
+        model, torch.optim.AdamW(model.parameters()))
+    ids = torch.randint(0, 64, (2, 8))
+    bundle.step(bundle.init(), {"input_ids": ids, "labels": ids})
+    # the KV cache a training forward builds would make each layer a graph of its own
+    assert counters["stats"]["unique_graphs"] == 1
+    assert model.config.use_cache is False and "set it back before generate()" in caplog.text
+
+
+def test_inductor_equals_eager(eager):
+    compiled = train([sw.compile()])  # inductor, the default
+    assert max_param_diff(compiled["params"], eager[4]["params"]) <= 1e-5
+    assert "regional torch.compile" in compiled["explain"]
+
+
+def two_ranks():
+    parts = {"replicate": [sw.replicate()], "shard": [sw.shard()]}
+    return {name: train([*p, sw.compile(backend="aot_eager")], batch_size=2)
+            for name, p in parts.items()}
+
+
+def test_two_ranks_compiled_under_replicate_and_shard_equal_eager(eager):
+    for rank in run_distributed(two_ranks, world_size=2, timeout=400):
+        for name, run in rank.items():
+            assert run["graphs"] >= 1, name
+            assert max_param_diff(run["params"], eager[4]["params"]) <= 1e-5, name
+
+
+def test_compile_sits_between_checkpointing_and_distribution():
+    pipe = sw.pipeline(sw.Env(world_size=2, local_world_size=2), sw.shard(), sw.compile(),
+                       sw.checkpoint_activations())
+    order = [t.factory_name for t in pipe.transforms]
+    assert order.index("checkpoint_activations") < order.index("compile") < order.index("shard")
+
+
+def test_bad_settings_are_refused_naming_them():
+    with pytest.raises(ArgumentError, match=r"compile\(\) 'mode' must be None or one of"):
+        sw.compile(mode="fast")
+    with pytest.raises(ArgumentError, match=r"'backend' 'turbo' is not a torch.compile backend"):
+        sw.pipeline(ONE, sw.compile(backend="turbo"))
+    with pytest.raises(ConflictError, match="tensor-parallel model fail in backward"):
+        sw.pipeline(ONE, sw.compile(), sw.tensor_parallel())
+    with pytest.raises(ConflictError, match="DeepSpeed"):
+        sw.pipeline(ONE, sw.compile(), sw.deepspeed({"train_micro_batch_size_per_gpu": 1}))
+    model = TinyTransformerLM()
+    bundle = sw.compile(backend="eager")(sw.Bundle(model, env=ONE))
+    with pytest.raises(ConflictError, match="compiled already"):
+        sw.compile(backend="eager")(sw.Bundle(bundle.model, env=ONE))
+
+
+def test_configs_build_compile(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"distributed_type": "NO", "dynamo_config": {
+        "dynamo_backend": "INDUCTOR", "dynamo_mode": "max-autotune", "dynamo_use_fullgraph": True,
+        "dynamo_use_regional_compilation": True}}))
+    assert sw.compile(backend="inductor", mode="max-autotune", fullgraph=True) in \
+        sw.from_config(path, env=ONE).transforms
+    args = sw.from_training_args({"torch_compile_backend": "aot_eager"}, env=ONE)
+    assert sw.compile(backend="aot_eager", regional=False) in args.transforms
+    path.write_text(yaml.safe_dump({"distributed_type": "NO",
+                                    "dynamo_config": {"dynamo_backend": "TURBO"}}))
+    with pytest.raises(ConfigError, match=r"dynamo_config.dynamo_backend='TURBO'"):
+        sw.from_config(path, env=ONE)

@@ -140,6 +140,7 @@ def two_ranks():
     return {"tp": train(tp), "tp_plain_loss": train(tp, weighted=False),
             "tp_bf16": train(tp, precision="bf16"), "eval": evaluate(tp), "memory": memory(tp),
             "checkpointed": train([*tp, sw.checkpoint_activations()]),
+            "compiled": train([*tp, sw.compile(backend="eager")]),
             "nonfinite": nonfinite()}
 
 
@@ -186,6 +187,13 @@ def test_tp2_with_activation_checkpointing_matches(tp2, reference):
     for rank in tp2:
         assert max_param_diff(rank["checkpointed"]["params"], reference["fp32"]["params"]) <= 1e-5
     assert "checkpoint_activations" in tp2[0]["checkpointed"]["explain"]
+
+
+def test_tp2_compiled_with_dynamo_matches(tp2, reference):
+    """compile(backend="eager") composes with tensor_parallel (the AOTAutograd backends are
+    refused with it: docs/performance.md)."""
+    for rank in tp2:
+        assert max_param_diff(rank["compiled"]["params"], reference["fp32"]["params"]) <= 1e-5
 
 
 def test_a_nonfinite_split_gradient_on_one_rank_stops_both(tp2):

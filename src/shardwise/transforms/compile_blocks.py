@@ -99,12 +99,16 @@ class Compile(Transform):
                                 f"backend here; accepted: {', '.join(known)}")
 
     def excludes(self) -> dict[str, str]:
-        return {"deepspeed": "DeepSpeed's engine wraps and drives the model itself; shardwise "
-                "does not compile under it (untested here): drop one, or compile the model "
-                "before passing it",
-                "tensor_parallel": "compiled blocks of a tensor-parallel model fail in backward "
-                "here (torch 2.13: DTensor's redistribute gets a plain tensor, 'Tensor' object "
-                "has no attribute '_local_tensor'); drop one of them"}
+        out = {"deepspeed": "DeepSpeed's engine wraps and drives the model itself; shardwise "
+               "does not compile under it (untested here): drop one, or compile the model "
+               "before passing it"}
+        if self.backend != "eager":
+            out["tensor_parallel"] = (
+                f"blocks of a tensor-parallel model compiled with the {self.backend!r} backend "
+                "fail in backward on torch 2.13 (AOTAutograd hands DTensor's redistribute a "
+                "plain tensor: 'Tensor' object has no attribute '_local_tensor'); "
+                "backend='eager' (dynamo alone) works, or drop one of them")
+        return out
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments handed to torch.compile."""

@@ -135,12 +135,38 @@ def test_a_new_engine_plugs_in_without_touching_the_step_or_the_estimate():
 
 def test_import_shardwise_is_light_and_its_functions_keep_their_names():
     """``import shardwise`` imports no torch (``shardwise --help`` starts at once); importing
-    the modules ``fit``, ``pipeline`` and ``export`` leaves ``sw.fit`` ... the functions."""
+    the modules that hold ``fit``, ``pipeline`` and ``export`` leaves them the functions."""
     code = ("import sys, shardwise; assert 'torch' not in sys.modules, 'torch imported'\n"
-            "import shardwise.fit, shardwise.pipeline, shardwise.export\n"
+            "import shardwise.loop, shardwise.pipelines, shardwise.exporting\n"
             "import shardwise as sw\n"
             "assert all(callable(f) for f in (sw.fit, sw.pipeline, sw.export))\n"
-            "from shardwise.fit import fit\n"
+            "from shardwise.loop import fit\n"
             "assert fit is sw.fit and 'torch' in sys.modules\n"
             "assert sorted(n for n in sw.__all__ if getattr(sw, n, None) is None) == []\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_one_list_of_public_names_serves_all_and_the_type_checkers_stub():
+    """``shardwise.PUBLIC`` is the only list: ``__all__`` and ``__init__.pyi`` come from it,
+    and no module of the package shares its name with a public function (importing any
+    module ``x`` as ``import shardwise.x as m`` gives that module, and hides nothing)."""
+    import types
+    from pathlib import Path
+
+    import shardwise as sw
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    done = subprocess.run([sys.executable, str(tools / "public_stub.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert set(sw.__all__) == {*sw.PUBLIC, "__version__"} - {"testing"}
+    package = Path(sw.__file__).parent
+    modules = sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
+    modules += sorted(p.name for p in package.iterdir() if (p / "__init__.py").exists())
+    code = "import importlib, types, shardwise as sw\n" + "".join(
+        f"m = importlib.import_module('shardwise.{name}'); assert isinstance(m, types.ModuleType)\n"
+        f"assert getattr(sw, {name!r}) is m, {name!r}\n" for name in modules)
+    code += "assert all(not isinstance(getattr(sw, n), types.ModuleType) or sw.PUBLIC[n] == '' " \
+            "for n in sw.PUBLIC)\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert isinstance(sw.errors, types.ModuleType) and callable(sw.fit)

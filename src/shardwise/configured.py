@@ -1,6 +1,6 @@
 # from_config / from_ddp_args: pipelines from the config files and arguments users already have.
 """Pipelines from configs: the readers in :mod:`shardwise.configs` say what a config means,
-:func:`shardwise.pipeline.assemble` builds the pipeline.
+:func:`shardwise.pipelines.assemble` builds the pipeline.
 
 Example:
     >>> pipe = sw.from_config("default_config.yaml")
@@ -22,7 +22,7 @@ from shardwise.configs.deepspeed_json import engine_config
 from shardwise.configs.training_args import read_training_args
 from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError, ConfigError, ShardwiseError
-from shardwise.pipeline import Pipeline, assemble
+from shardwise.pipelines import Pipeline, assemble
 from shardwise.transforms.deepspeed import deepspeed
 
 __all__ = ["from_config", "from_ddp_args", "from_training_args"]

@@ -47,7 +47,7 @@ def train_with_saves(bundle: sw.Bundle, state: sw.TrainState, batch: dict[str, t
             sw.save(root, bundle, bundle.check(state), keep_last=1, blocking=mode == "blocking")
     state = bundle.check(state)
     if mode == "async":
-        from shardwise.checkpoint_async import wait_for_saves
+        from shardwise.checkpoint.background import wait_for_saves
 
         wait_for_saves()
     dist.barrier()

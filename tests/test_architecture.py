@@ -137,7 +137,7 @@ def test_import_shardwise_is_light_and_its_functions_keep_their_names():
     """``import shardwise`` imports no torch (``shardwise --help`` starts at once); importing
     the modules that hold ``fit``, ``pipeline`` and ``export`` leaves them the functions."""
     code = ("import sys, shardwise; assert 'torch' not in sys.modules, 'torch imported'\n"
-            "import shardwise.loop, shardwise.pipelines, shardwise.exporting\n"
+            "import shardwise.loop, shardwise.pipelines, shardwise.checkpoint.full_weights\n"
             "import shardwise as sw\n"
             "assert all(callable(f) for f in (sw.fit, sw.pipeline, sw.export))\n"
             "from shardwise.loop import fit\n"

@@ -162,12 +162,12 @@ def save_twice_and_die_in_the_second(root):
     sw.save(root, bundle, state)
     state, _ = train_for(bundle, state, 1)
     if sw.detect().rank == 1:
-        import shardwise._rng
+        import shardwise.checkpoint.rng
 
         def die():
             os._exit(3)  # killed in the middle of writing
 
-        shardwise._rng.capture = die
+        shardwise.checkpoint.rng.capture = die
     sw.save(root, bundle, state)
 
 
@@ -556,7 +556,7 @@ class WithExtraState(torch.nn.Module):
 
 
 def test_extra_state_round_trips_as_plain_data_and_never_runs_code(tmp_path, monkeypatch):
-    import shardwise.checkpoint as checkpoint
+    import shardwise.checkpoint.save_load as checkpoint
 
     plain = WithExtraState({"calls": 3, "names": ["a", "b"], "scale": torch.ones(2)})
     bundle = sw.pipeline(sw.Env())(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
@@ -581,7 +581,7 @@ def test_extra_state_round_trips_as_plain_data_and_never_runs_code(tmp_path, mon
 
 def reseal(path):
     """Rewrite checksums.json to match the files as they are now (a forger would)."""
-    from shardwise import _integrity
+    from shardwise.checkpoint import integrity as _integrity
 
     files = {}
     for rank in range(2):
@@ -711,7 +711,7 @@ def test_a_damaged_metadata_pickle_is_a_checkpoint_error_whatever_it_raises(tmp_
 
 
 def test_finding_the_checkpoint_to_load_reads_one_shardwise_json(tmp_path, monkeypatch):
-    from shardwise import _layout
+    from shardwise.checkpoint import layout as _layout
 
     bundle = build([], accumulate=1)
     state = bundle.init()

@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise as sw
-from shardwise import _integrity
+from shardwise.checkpoint import integrity as _integrity
 from shardwise.errors import CheckpointError
 
 from conftest import build_lm, train_for, within

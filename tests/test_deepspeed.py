@@ -439,7 +439,7 @@ def test_sw_load_refuses_a_planted_pickle_before_deepspeed_reads_it(tmp_path):
     import json
     import shutil
 
-    from shardwise import _integrity
+    from shardwise.checkpoint import integrity as _integrity
 
     run_distributed(_resume_run, str(tmp_path / "run"), STEPS // 2, True, timeout=600)
     step = tmp_path / "run" / "zero3_fp32" / "step_00000002"

@@ -9,7 +9,8 @@ from shardwise.bundle import Plan as Plan
 from shardwise.checkpoint import latest_checkpoint as latest_checkpoint
 from shardwise.checkpoint import load as load
 from shardwise.checkpoint import save as save
-from shardwise.checkpoint_async import AsyncSave as AsyncSave
+from shardwise.checkpoint.background import AsyncSave as AsyncSave
+from shardwise.checkpoint.full_weights import export as export
 from shardwise.configured import from_config as from_config
 from shardwise.configured import from_ddp_args as from_ddp_args
 from shardwise.configured import from_training_args as from_training_args
@@ -19,7 +20,6 @@ from shardwise.distributed import main_process_first as main_process_first
 from shardwise.env import CONFIG_ENV_VAR as CONFIG_ENV_VAR
 from shardwise.env import Env as Env
 from shardwise.env import detect as detect
-from shardwise.exporting import export as export
 from shardwise.loggers import Logger as Logger
 from shardwise.loggers import TensorBoardLogger as TensorBoardLogger
 from shardwise.loop import fit as fit

@@ -17,8 +17,8 @@ import torch
 
 from shardwise._text import short
 from shardwise.bundle import Bundle
-from shardwise.checkpoint import latest_checkpoint, load, save
-from shardwise.checkpoint_async import wait_for_saves
+from shardwise.checkpoint.background import wait_for_saves
+from shardwise.checkpoint.save_load import latest_checkpoint, load, save
 from shardwise.errors import ArgumentError
 from shardwise.loggers import Logger
 from shardwise.metrics import reduce

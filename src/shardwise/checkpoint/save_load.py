@@ -25,8 +25,12 @@ import attrs
 import torch
 from torch.utils._pytree import tree_map
 
-from shardwise import _integrity, _rng, checkpoint_async
-from shardwise._layout import (
+from shardwise._text import short
+from shardwise.bundle import Bundle
+from shardwise.checkpoint import background, integrity
+from shardwise.checkpoint import rng as _rng
+from shardwise.checkpoint.background import AsyncSave, cause, wait_for_saves
+from shardwise.checkpoint.layout import (
     LATEST,
     META,
     candidates,
@@ -37,16 +41,13 @@ from shardwise._layout import (
     read_json,
     write_durably,
 )
-from shardwise._text import short
-from shardwise.bundle import Bundle
-from shardwise.checkpoint_async import AsyncSave, cause, wait_for_saves
 from shardwise.data import DeviceLoader
 from shardwise.distributed import all_agree, joined
 from shardwise.errors import ArgumentError, CheckpointError
 from shardwise.state import TrainState
 
 if TYPE_CHECKING:
-    from shardwise._safe_reader import SafeReader
+    from shardwise.checkpoint.safe_reader import SafeReader
 
 __all__ = ["save", "load", "latest_checkpoint"]
 
@@ -95,7 +96,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
 
     Returns:
         The checkpoint's directory; with ``blocking=False`` an
-        :class:`~shardwise.checkpoint_async.AsyncSave` handle (``done()``, ``result()``
+        :class:`~shardwise.checkpoint.background.AsyncSave` handle (``done()``, ``result()``
         -> the directory, raising :class:`CheckpointError` if the save failed).
 
     Raises:
@@ -144,7 +145,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     if own is None:
         model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
         _refuse_code(model_sd)
-    meta = {"format": FORMAT, "name": final.name, "checksums": _integrity.MANIFEST,
+    meta = {"format": FORMAT, "name": final.name, "checksums": integrity.MANIFEST,
             "engine": own or TORCH_FORMAT,
             "train_state": state.to_dict(),
             "world_size": env.world_size,
@@ -172,7 +173,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         _write_json(tmp / "rng" / f"rank_{env.rank:05d}.json", _rng.capture())
         if env.is_main:
             _write_json(tmp / META, meta)
-        digests = _integrity.digests_of(tmp, env.rank, own)
+        digests = integrity.digests_of(tmp, env.rank, own)
     except (Exception, CheckpointException) as exc:  # DCP's wraps the rank's OSError
         ok, problem, digests = False, cause(exc), {}
     if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
@@ -180,10 +181,10 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     if not all_agree(env, ok):
         raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
                               "; the previous checkpoint is intact")
-    manifest = _integrity.write_manifest(tmp, env, digests)  # a collective
+    manifest = integrity.write_manifest(tmp, env, digests)  # a collective
     if env.is_main:
         try:
-            _write_json(tmp / _integrity.MANIFEST, manifest)
+            _write_json(tmp / integrity.MANIFEST, manifest)
             publish(root, tmp, final, state.step, keep_last)
         except OSError as exc:
             ok, problem = False, f"{type(exc).__name__}: {exc}"
@@ -197,7 +198,7 @@ def _start_async(bundle: Bundle, state: TrainState, root: Path, tmp: Path, final
                  keep_last: int | None, meta: dict[str, Any], fresh: bool,
                  tensors: dict[str, Any]) -> AsyncSave:
     """The small files now (RNG as of this call, the record), the tensors staged to host
-    memory and written in the background (:mod:`shardwise.checkpoint_async`)."""
+    memory and written in the background (:mod:`shardwise.checkpoint.background`)."""
     env = bundle.env
     ok, problem = True, ""
     try:
@@ -210,7 +211,7 @@ def _start_async(bundle: Bundle, state: TrainState, root: Path, tmp: Path, final
         raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
                               "; the previous checkpoint is intact")
     with _dcp_quietly():
-        handle = checkpoint_async.start(env, root, tmp, final, state.step, keep_last, tensors)
+        handle = background.start(env, root, tmp, final, state.step, keep_last, tensors)
     if fresh and bundle.optimizer is not None:  # staged already: undo what get_state_dict made
         bundle.optimizer.state.clear()
     return handle
@@ -382,7 +383,7 @@ def _load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from shardwise._safe_reader import SafeLoadPlanner, SafeReader
+    from shardwise.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
 
     reader = SafeReader(path)
     engine = bundle.engine
@@ -417,7 +418,7 @@ def _intact(root: Path, bundle: Bundle) -> Path:
     problems: list[str] = []
     for path in [root] if explicit else candidates(root):
         try:
-            _integrity.verify(path, bundle.env)
+            integrity.verify(path, bundle.env)
             if problems:
                 log.warning("loading %s: the newer checkpoint(s) are damaged (%s)", path,
                             "; ".join(problems))

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise._layout import MANIFEST, META, open_regular, read_json
+from shardwise.checkpoint.layout import MANIFEST, META, open_regular, read_json
 from shardwise.env import Env
 from shardwise.errors import CheckpointError
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise import _integrity
-from shardwise._layout import publish, write_durably
+from shardwise.checkpoint import integrity
+from shardwise.checkpoint.layout import publish, write_durably
 from shardwise.distributed import joined, side_group
 from shardwise.env import Env
 from shardwise.errors import CheckpointError
@@ -189,7 +189,7 @@ def _finish(handle: AsyncSave, env: Env, root: Path, tmp: Path, final: Path, ste
 
     try:
         future.result()
-        digests = _integrity.digests_of(tmp, env.rank)
+        digests = integrity.digests_of(tmp, env.rank)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         error = f"rank {env.rank}: {cause(exc)}"
     try:
@@ -221,9 +221,9 @@ def _publish(env: Env, root: Path, tmp: Path, final: Path, step: int, keep_last:
     files: dict[str, str] = {}
     for outcome in outcomes:
         files.update(outcome["digests"])
-    manifest = {"files": files, "sealed": _integrity.sealed(files)}
+    manifest = {"files": files, "sealed": integrity.sealed(files)}
     try:
-        write_durably(tmp / _integrity.MANIFEST, json.dumps(manifest, indent=1))
+        write_durably(tmp / integrity.MANIFEST, json.dumps(manifest, indent=1))
         publish(root, tmp, final, step, keep_last)
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,15 @@
+# Checkpoints: DCP's sharded files under an atomic, verified layout; saves in the background; exports.
+"""Everything that writes or reads training state on disk.
+
+- ``save_load``: ``sw.save`` / ``sw.load`` (DCP, train state, data position).
+- ``background``: ``sw.save(..., blocking=False)``, published when every rank is done.
+- ``layout``: ``step_N`` directories, atomic publishing, ``latest``, ``keep_last``.
+- ``integrity``: the sealed checksums every load verifies first.
+- ``safe_reader``: DCP metadata read through an allow-list, never an arbitrary unpickle.
+- ``rng``: each rank's random generators, as JSON.
+- ``full_weights``: ``sw.export``, the whole model as safetensors.
+"""
+
+from shardwise.checkpoint.save_load import latest_checkpoint, load, save
+
+__all__ = ["save", "load", "latest_checkpoint"]

@@ -484,12 +484,13 @@ def test_a_users_sampler_over_other_ranks_than_the_data_ranks_is_refused():
     from torch.utils.data import DistributedSampler
 
     from shardwise.data import shard_loader
+    from shardwise.mesh import layout
 
     rank1 = sw.Env(world_size=4, local_world_size=4, rank=1, local_rank=1)
     per_rank = DataLoader(Tokens(), batch_size=2,
                           sampler=DistributedSampler(Tokens(), num_replicas=4, rank=1))
     with pytest.raises(DataError, match=r"num_replicas=4 .*data ranks are 2 .*num_replicas=2, rank=0"):
-        shard_loader(per_rank, rank1, copies=2)
+        shard_loader(per_rank, rank1, mesh=layout(rank1, tp=2))
     per_share = DataLoader(Tokens(), batch_size=2,
                            sampler=DistributedSampler(Tokens(), num_replicas=2, rank=0))
-    assert shard_loader(per_share, rank1, copies=2) is per_share
+    assert shard_loader(per_share, rank1, mesh=layout(rank1, tp=2)) is per_share

@@ -20,6 +20,7 @@ from torch.utils.data import (
 
 from shardwise.env import Env
 from shardwise.errors import DataError
+from shardwise.mesh import MeshLayout
 
 __all__ = ["DeviceLoader", "ResumableSampler", "to_device", "shard_loader", "same_batch"]
 
@@ -201,23 +202,25 @@ def _check_own_sampler(loader: Any, copies: int, shares: int, share: int) -> Non
 
 
 def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
-                 pin_memory: bool = False, copies: int = 1) -> Iterable[Any]:
+                 pin_memory: bool = False, mesh: MeshLayout | None = None) -> Iterable[Any]:
     """A copy of ``loader`` whose sampler is a ``DistributedSampler`` for ``env``.
 
     Keeps batch_size, shuffle, drop_last, collate_fn, workers and the rest. The shuffling
     order comes from ``seed`` and the epoch (not from torch's global RNG), in one process
     too, so one process and N ranks read the same global batches. A loader that already has
     a ``DistributedSampler`` is kept; in one process, so is a loader that cannot be split.
-    ``copies`` consecutive ranks (a tensor-parallel group) read the same share: the data is
-    split over ``world_size // copies`` ranks.
+    With a ``mesh`` (tensor parallel), the data is split over its data ranks only: the ranks
+    of a tensor-parallel group read the same share.
 
     Raises:
         DataError: several ranks and a loader that cannot be split across them, or a
             ``DistributedSampler`` of the user's that splits over other ranks than the data's.
     """
-    shares, share = env.world_size // copies, env.rank // copies
+    shares, share = env.world_size, env.rank
+    if mesh is not None:
+        shares, share = mesh.data_ranks(env.world_size), mesh.data_rank(env.rank)
     if isinstance(getattr(loader, "sampler", None), DistributedSampler):
-        _check_own_sampler(loader, copies, shares, share)
+        _check_own_sampler(loader, env.world_size // shares, shares, share)
         return loader
     problem = _unsplittable(loader)
     if problem is not None:

@@ -112,12 +112,12 @@ class Stepper:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         # where the optimizer updates (the CPU under offload): the flag it takes must be there
         self.param_device = engine.local(self.params[0]).device if self.params else env.device
-        # gradients arrive averaged over ranks when a wrapper synchronises them; the ranks of
-        # a tensor-parallel group (copies) read the same batch: counts summed over all ranks
-        # hold each batch that often
-        self.ranks = engine.gradient_ranks(env) if dist.is_initialized() else 1
-        self.copies = engine.batch_copies(env) if dist.is_initialized() else 1
-        self.synced = self.ranks * self.copies  # ranks the step's collectives run over
+        # gradients arrive averaged over the ranks a wrapper synchronises; the ranks of a
+        # tensor-parallel group (copies) read the same batch, so counts summed over all
+        # ranks hold each batch that often. synced: the ranks the step's collectives run over
+        joined = dist.is_initialized()
+        self.copies = engine.batch_copies(env) if joined else 1
+        self.synced = engine.gradient_ranks(env) * self.copies if joined else 1
         self.loader = loader if isinstance(loader, DeviceLoader) else None
         # batches per epoch of bundle.loader (None: unknown, no epoch ends are seen)
         self.epoch_length = self.loader.epoch_length() if self.loader is not None else None

@@ -12,6 +12,7 @@ import attrs
 import torch
 from torch import nn
 
+from shardwise._params import is_dtensor
 from shardwise.env import Env
 from shardwise.errors import CheckpointError, ConflictError
 from shardwise.state import TrainState
@@ -135,12 +136,14 @@ class Engine:
         return None
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a gradient or parameter (its shard under FSDP2)."""
-        return tensor
+        """This rank's part of a gradient or parameter: a DTensor's local shard (FSDP2,
+        tensor parallel), any other tensor itself."""
+        return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
     def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole tensor (gathered from every rank under FSDP2: a collective)."""
-        return tensor
+        """The whole tensor: a DTensor gathered from every rank (a collective), any other
+        tensor itself."""
+        return tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the engine's wrapper."""

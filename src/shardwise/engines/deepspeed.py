@@ -172,7 +172,7 @@ class DeepSpeedStepper(Stepper):
         """Raise before backward when the loss is not finite on some rank (DeepSpeed would
         apply it under fp32/bf16; under fp16 its loss scaler skips the step instead)."""
         bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(())
-        if self.ranks > 1:
+        if self.synced > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():
             raise NonFiniteError(f"non-finite loss at optimizer step {state.step + 1} (micro-step "

@@ -13,9 +13,8 @@ import attrs
 import torch
 from torch import nn
 
-from shardwise._params import is_dtensor
 from shardwise.engines.base import Engine, MemoryParts, NoSync, state_bytes
-from shardwise.engines.tp import clip_across_meshes, tp_numel
+from shardwise.engines.tp import clip_across_meshes, tp_shape
 from shardwise.env import Env
 from shardwise.policies import Policy, select
 from shardwise.state import TrainState
@@ -85,17 +84,11 @@ class FSDPEngine(Engine):
             return None
         return functools.partial(_without_gradient_sync, model)
 
-    def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
-    def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
     def memory(self, model: nn.Module, env: Env, *, trained: set[int],
                optimizer_layout: tuple[float, float], precision_bytes: int,
                accumulating: bool) -> MemoryParts:
         ranks = self.shard_ranks
-        shape = tp_numel(model, self.tensor_parallel, self.tp) if self.tp > 1 \
+        shape = tp_shape(model, self.tensor_parallel, self.tp) if self.tp > 1 \
             else lambda p: tuple(p.shape)
         # without sync_each_batch, unsharded gradients accumulate between reductions
         params, grads, opt = state_bytes(

@@ -17,7 +17,7 @@ from shardwise._params import is_dtensor
 from shardwise.engines.base import Engine, MemoryParts, state_bytes
 from shardwise.env import Env
 
-__all__ = ["TPEngine", "total_norm", "clip_across_meshes", "tp_numel"]
+__all__ = ["TPEngine", "total_norm", "clip_across_meshes", "tp_shape"]
 
 
 def total_norm(grads: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -82,7 +82,7 @@ def clip_across_meshes(params: list[torch.Tensor], max_norm: float,
     return norm
 
 
-def tp_numel(model: nn.Module, tensor_parallel: Any, size: int
+def tp_shape(model: nn.Module, tensor_parallel: Any, size: int
              ) -> Callable[[torch.Tensor], tuple[int, ...]]:
     """The shape of each parameter one rank of a tensor-parallel group holds."""
     shapes = tensor_parallel.local_shapes(model, size)
@@ -106,19 +106,13 @@ class TPEngine(Engine):
     def batch_copies(self, env: Env) -> int:
         return self.tp
 
-    def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
-    def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
     def clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         return clip_across_meshes(params, max_norm, norm_type)
 
     def memory(self, model: nn.Module, env: Env, *, trained: set[int],
                optimizer_layout: tuple[float, float], precision_bytes: int,
                accumulating: bool) -> MemoryParts:
-        shape = tp_numel(model, self.tensor_parallel, self.tp)
+        shape = tp_shape(model, self.tensor_parallel, self.tp)
         params, grads, opt = state_bytes(model, trained, optimizer_layout,
                                          numel=lambda p: math.prod(shape(p)))
         # DTensor's embedding backward leaves a rowwise-split table's gradient whole

@@ -11,7 +11,7 @@ from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader, shard_loader
 from shardwise.env import Env
 from shardwise.errors import DataError
-from shardwise.mesh import layout
+from shardwise.mesh import MeshLayout, layout
 from shardwise.plan import Plan
 from shardwise.transforms._checks import boolean, integer, optional_boolean
 from shardwise.transforms.base import Stage, Transform
@@ -54,30 +54,31 @@ class DistributeData(Transform):
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         env, pin = bundle.env, self.pins(bundle.env)
-        copies = self.copies(env, bundle.plan)
+        mesh = self.mesh(env, bundle.plan)
 
         def distributed(loader: Any) -> DeviceLoader | None:
             if loader is None:
                 return None
-            sharded = shard_loader(loader, env, seed=self.seed, pin_memory=pin, copies=copies)
+            sharded = shard_loader(loader, env, seed=self.seed, pin_memory=pin, mesh=mesh)
             return DeviceLoader(sharded, env.device, non_blocking=self.non_blocking)
 
         return attrs.evolve(bundle, loader=distributed(bundle.loader),
                             eval_loader=distributed(bundle.eval_loader))
 
     @staticmethod
-    def copies(env: Env, plan: Plan) -> int:
-        """Ranks that read the same share: a tensor-parallel group (else 1)."""
+    def mesh(env: Env, plan: Plan) -> MeshLayout | None:
+        """The mesh whose data ranks split the data: a tensor-parallel one (else None: all
+        ranks read different shares)."""
         tensor = plan.tensor_parallel
         if tensor is None or not env.is_distributed:
-            return 1
-        return layout(env, tp=tensor.size_for(env)).tp
+            return None
+        return layout(env, tp=tensor.size_for(env))
 
     def describe_in(self, env: Env, plan: Plan) -> str:
-        copies = self.copies(env, plan)
-        if copies == 1:
+        mesh = self.mesh(env, plan)
+        if mesh is None:
             return self.describe(env)
-        shares = env.world_size // copies
+        copies, shares = mesh.tp, mesh.data_ranks(env.world_size)
         return (f"DistributedSampler over the {shares} data ranks: each tensor-parallel group "
                 f"of {copies} reads the same 1/{shares} (checked at the first step), seed "
                 f"{self.seed}, set_epoch every epoch; {self._move(env)}")

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import shardwise as sw
-from shardwise._deepspeed_auto import Given, resolve
+from shardwise.deepspeed_engine.auto import Given, resolve
 from shardwise.errors import (
     ArgumentError,
     CheckpointError,
@@ -457,7 +457,7 @@ def test_sw_load_refuses_a_planted_pickle_before_deepspeed_reads_it(tmp_path):
 
 
 def test_a_deepspeed_file_that_could_run_code_is_refused(tmp_path):
-    from shardwise.engines.deepspeed import check_pickle
+    from shardwise.deepspeed_engine.engine import check_pickle
 
     class Payload:
         def __reduce__(self):

@@ -42,7 +42,7 @@ PUBLIC: dict[str, str] = {
     **dict.fromkeys(["checkpoint_activations"], "shardwise.transforms.checkpoint_activations"),
     **dict.fromkeys(["clip_gradients"], "shardwise.transforms.clip_gradients"),
     **dict.fromkeys(["compile"], "shardwise.transforms.compile_blocks"),
-    **dict.fromkeys(["deepspeed"], "shardwise.transforms.deepspeed"),
+    **dict.fromkeys(["deepspeed"], "shardwise.deepspeed_engine.transform"),
     **dict.fromkeys(["distribute_data"], "shardwise.transforms.distribute_data"),
     **dict.fromkeys(["mixed_precision"], "shardwise.transforms.mixed_precision"),
     **dict.fromkeys(["offload"], "shardwise.transforms.offload"),

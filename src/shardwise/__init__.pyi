@@ -15,6 +15,7 @@ from shardwise.configured import from_config as from_config
 from shardwise.configured import from_ddp_args as from_ddp_args
 from shardwise.configured import from_training_args as from_training_args
 from shardwise.data import to_device as to_device
+from shardwise.deepspeed_engine.transform import deepspeed as deepspeed
 from shardwise.distributed import ensure_process_group as ensure_process_group
 from shardwise.distributed import main_process_first as main_process_first
 from shardwise.env import CONFIG_ENV_VAR as CONFIG_ENV_VAR
@@ -40,7 +41,6 @@ from shardwise.transforms.base import Transform as Transform
 from shardwise.transforms.checkpoint_activations import checkpoint_activations as checkpoint_activations
 from shardwise.transforms.clip_gradients import clip_gradients as clip_gradients
 from shardwise.transforms.compile_blocks import compile as compile
-from shardwise.transforms.deepspeed import deepspeed as deepspeed
 from shardwise.transforms.distribute_data import distribute_data as distribute_data
 from shardwise.transforms.mixed_precision import mixed_precision as mixed_precision
 from shardwise.transforms.offload import offload as offload

@@ -18,12 +18,12 @@ import attrs
 from shardwise._config_source import load_source
 from shardwise._text import short
 from shardwise.configs import ConfigResult, config_kind, ddp_settings, read_config
-from shardwise.configs.deepspeed_json import engine_config
 from shardwise.configs.training_args import read_training_args
+from shardwise.deepspeed_engine.config_file import engine_config
+from shardwise.deepspeed_engine.transform import deepspeed
 from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError, ConfigError, ShardwiseError
 from shardwise.pipelines import Pipeline, assemble
-from shardwise.transforms.deepspeed import deepspeed
 
 __all__ = ["from_config", "from_ddp_args", "from_training_args"]
 

@@ -15,8 +15,8 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 
 from shardwise._config_source import Shape, Source, short
-from shardwise._deepspeed_auto import check_total
 from shardwise.bundle import Bundle
+from shardwise.deepspeed_engine.auto import check_total
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConfigError
 from shardwise.transforms.accumulate_gradients import accumulate_gradients

@@ -91,9 +91,9 @@ def deepspeed_engine_transforms(src: Source, a: dict[str, Any]) -> list[Transfor
     """DeepSpeed's own engine on the ``deepspeed`` config. As the Trainer does, a value the
     config gives must equal the argument's, and ``"auto"`` takes the argument's (clipping
     only where the config says ``"auto"``: DeepSpeed does not clip by default)."""
-    from shardwise._deepspeed_auto import AUTO
-    from shardwise.configs.deepspeed_json import engine_config
-    from shardwise.transforms.deepspeed import deepspeed
+    from shardwise.deepspeed_engine.auto import AUTO
+    from shardwise.deepspeed_engine.config_file import engine_config
+    from shardwise.deepspeed_engine.transform import deepspeed
 
     raw = a["deepspeed"]
     try:

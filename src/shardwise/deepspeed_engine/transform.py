@@ -24,7 +24,7 @@ from shardwise.transforms.clip_gradients import ClipGradients
 from shardwise.transforms.mixed_precision import MixedPrecision
 
 if TYPE_CHECKING:
-    from shardwise._deepspeed_auto import Given
+    from shardwise.deepspeed_engine.auto import Given
 
 __all__ = ["DeepSpeed", "deepspeed"]
 
@@ -136,14 +136,14 @@ class DeepSpeed(Distribution):
         self._read()
 
     def engine(self, env: Env, plan: Plan) -> Engine:
-        from shardwise.engines.deepspeed import DeepSpeedEngine
+        from shardwise.deepspeed_engine.engine import DeepSpeedEngine
 
         config = self._read()
         return DeepSpeedEngine(stage=_stage(config), world_size=env.world_size,
                                offload=_offload(config))
 
     def _given(self, plan: Plan) -> Given:
-        from shardwise._deepspeed_auto import Given
+        from shardwise.deepspeed_engine.auto import Given
 
         found = {type(t): t for t in plan.applied}
         precision = found.get(MixedPrecision)
@@ -164,7 +164,7 @@ class DeepSpeed(Distribution):
             raise ConflictError(f"{self!r} with on_nonfinite='skip': DeepSpeed skips only fp16 "
                                 "overflows (its loss scaler); under fp32/bf16 a non-finite loss "
                                 "raises. Use on_nonfinite='raise'")
-        from shardwise._deepspeed_auto import resolve
+        from shardwise.deepspeed_engine.auto import resolve
 
         read = self._read()
         own_optimizer = isinstance(read.get("optimizer"), Mapping)
@@ -201,7 +201,7 @@ class DeepSpeed(Distribution):
         except (ValueError, AssertionError) as exc:  # its config checks (pydantic, asserts)
             raise ConfigError(f"{self.origin}: DeepSpeed refused the config: "
                               f"{str(exc)[:1000]}") from exc
-        from shardwise.engines.deepspeed import DeepSpeedEngine
+        from shardwise.deepspeed_engine.engine import DeepSpeedEngine
 
         plan = attrs.evolve(plan, precision=precision, accumulation_steps=steps,
                             max_grad_norm=None)

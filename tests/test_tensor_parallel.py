@@ -171,14 +171,19 @@ def tp2dp2():
     return run_distributed(four_ranks, world_size=4, timeout=400)
 
 
+def assert_matches_one_process(run, reference, engine):
+    """Weights and gradient norms of a run on a mesh against the fp32 run in one process."""
+    assert run["engine"] == engine and run["mesh"] == ("dp_shard", "tp")
+    assert max_param_diff(run["params"], reference["fp32"]["params"]) <= 1e-5
+    assert run["norms"] == pytest.approx(reference["fp32"]["norms"], rel=1e-5)
+    assert len(run["norms"]) == STEPS
+
+
 def test_tp2_matches_one_process(tp2, reference):
     for rank in tp2:
         run = rank["tp"]
-        assert run["engine"] == "tensor parallel" and run["mesh"] == ("dp_shard", "tp")
-        assert max_param_diff(run["params"], reference["fp32"]["params"]) <= 1e-5
+        assert_matches_one_process(run, reference, "tensor parallel")
         assert run["losses"] == pytest.approx(reference["fp32"]["losses"], abs=1e-5)
-        assert run["norms"] == pytest.approx(reference["fp32"]["norms"], rel=1e-5)
-        assert len(run["norms"]) == STEPS
         plain = rank["tp_plain_loss"]
         assert max_param_diff(plain["params"], reference["plain"]["params"]) <= 1e-5
 
@@ -228,10 +233,7 @@ def test_tp2_bf16_within_documented_tolerance(tp2, reference):
 
 def test_tp2_x_dp_shard2_matches_one_process(tp2dp2, reference):
     for rank in tp2dp2:
-        run = rank["2d"]
-        assert run["engine"] == "FSDP2" and run["mesh"] == ("dp_shard", "tp")
-        assert max_param_diff(run["params"], reference["fp32"]["params"]) <= 1e-5
-        assert run["norms"] == pytest.approx(reference["fp32"]["norms"], rel=1e-5)
+        assert_matches_one_process(rank["2d"], reference, "FSDP2")
         # no distribution given: the data ranks are sharded (DDP cannot run DTensor layers)
         default = rank["default"]
         assert default["engine"] == "FSDP2"

@@ -2,6 +2,8 @@
 """Everything that writes or reads training state on disk.
 
 - ``save_load``: ``sw.save`` / ``sw.load`` (DCP, train state, data position).
+- ``restore``: the steps of ``sw.load`` (find an intact checkpoint, check it fits, read
+  it all or nothing, position the loader).
 - ``background``: ``sw.save(..., blocking=False)``, published when every rank is done.
 - ``layout``: ``step_N`` directories, atomic publishing, ``latest``, ``keep_last``.
 - ``integrity``: the sealed checksums every load verifies first.

@@ -15,14 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["META", "MANIFEST", "LATEST", "write_durably", "publish", "is_complete",
+__all__ = ["META", "FORMAT", "TORCH_FORMAT", "MANIFEST", "LATEST", "write_durably", "publish", "is_complete",
            "incomplete_parts", "complete_steps", "candidates", "latest_checkpoint",
            "open_regular", "read_json"]
 
 log = logging.getLogger("shardwise.checkpoint")
 
 META = "shardwise.json"
-MANIFEST = "checksums.json"  # see _integrity
+#: the version of shardwise.json's layout this release writes and reads
+FORMAT = 1
+#: shardwise.json's "engine" of a DCP checkpoint (the native engines)
+TORCH_FORMAT = "torch"
+MANIFEST = "checksums.json"  # see integrity.py
 LATEST = "latest"
 
 

@@ -160,12 +160,24 @@ def test_one_list_of_public_names_serves_all_and_the_type_checkers_stub():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert set(sw.__all__) == {*sw.PUBLIC, "__version__"} - {"testing"}
-    package = Path(sw.__file__).parent
-    modules = sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
-    modules += sorted(p.name for p in package.iterdir() if (p / "__init__.py").exists())
-    code = "import importlib, types, shardwise as sw\n" + "".join(
-        f"m = importlib.import_module('shardwise.{name}'); assert isinstance(m, types.ModuleType)\n"
-        f"assert getattr(sw, {name!r}) is m, {name!r}\n" for name in modules)
+    for name, module in sw.PUBLIC.items():  # each name listed with the module defining it
+        obj = getattr(sw, name)
+        if isinstance(obj, type) or isinstance(obj, types.FunctionType):
+            assert obj.__module__ == module, (name, module, obj.__module__)
+    # every module at every depth, reached the way `import shardwise.a.b as m` reaches it:
+    # attribute by attribute from the package (a re-exported function would win there)
+    code = (
+        "import importlib, pkgutil, types, shardwise as sw\n"
+        "names = [m.name for m in pkgutil.walk_packages(sw.__path__, 'shardwise.')\n"
+        "         if not m.name.endswith('.__main__')]\n"
+        "assert {'shardwise.transforms.sharding', 'shardwise.checkpoint.restore'} <= set(names)\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "for name in names:\n"
+        "    found = sw\n"
+        "    for part in name.split('.')[1:]:\n"
+        "        found = getattr(found, part)\n"
+        "    assert isinstance(found, types.ModuleType) and found.__name__ == name, (name, found)\n")
     code += "assert all(not isinstance(getattr(sw, n), types.ModuleType) or sw.PUBLIC[n] == '' " \
             "for n in sw.PUBLIC)\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -5,12 +5,11 @@ from shardwise import errors as errors
 from shardwise import policies as policies
 from shardwise import testing as testing
 from shardwise.bundle import Bundle as Bundle
-from shardwise.bundle import Plan as Plan
-from shardwise.checkpoint import latest_checkpoint as latest_checkpoint
-from shardwise.checkpoint import load as load
-from shardwise.checkpoint import save as save
 from shardwise.checkpoint.background import AsyncSave as AsyncSave
 from shardwise.checkpoint.full_weights import export as export
+from shardwise.checkpoint.layout import latest_checkpoint as latest_checkpoint
+from shardwise.checkpoint.save_load import load as load
+from shardwise.checkpoint.save_load import save as save
 from shardwise.configured import from_config as from_config
 from shardwise.configured import from_ddp_args as from_ddp_args
 from shardwise.configured import from_training_args as from_training_args
@@ -31,24 +30,25 @@ from shardwise.metrics import gather_for_metrics as gather_for_metrics
 from shardwise.metrics import reduce as reduce
 from shardwise.pipelines import Pipeline as Pipeline
 from shardwise.pipelines import pipeline as pipeline
+from shardwise.plan import Plan as Plan
 from shardwise.policies import auto as auto
 from shardwise.policies import by_class as by_class
 from shardwise.policies import by_size as by_size
 from shardwise.state import StepOutput as StepOutput
 from shardwise.state import TrainState as TrainState
-from shardwise.transforms.accumulate_gradients import accumulate_gradients as accumulate_gradients
+from shardwise.transforms.accumulation import accumulate_gradients as accumulate_gradients
+from shardwise.transforms.activation_checkpointing import checkpoint_activations as checkpoint_activations
 from shardwise.transforms.base import Transform as Transform
-from shardwise.transforms.checkpoint_activations import checkpoint_activations as checkpoint_activations
-from shardwise.transforms.clip_gradients import clip_gradients as clip_gradients
+from shardwise.transforms.clipping import clip_gradients as clip_gradients
 from shardwise.transforms.compile_blocks import compile as compile
-from shardwise.transforms.distribute_data import distribute_data as distribute_data
-from shardwise.transforms.mixed_precision import mixed_precision as mixed_precision
-from shardwise.transforms.offload import offload as offload
-from shardwise.transforms.place import place as place
-from shardwise.transforms.replicate import replicate as replicate
-from shardwise.transforms.shard import shard as shard
-from shardwise.transforms.shard_optimizer import shard_optimizer as shard_optimizer
-from shardwise.transforms.tensor_parallel import tensor_parallel as tensor_parallel
+from shardwise.transforms.data_distribution import distribute_data as distribute_data
+from shardwise.transforms.offloading import offload as offload
+from shardwise.transforms.optimizer_sharding import shard_optimizer as shard_optimizer
+from shardwise.transforms.placement import place as place
+from shardwise.transforms.precision_policy import mixed_precision as mixed_precision
+from shardwise.transforms.replication import replicate as replicate
+from shardwise.transforms.sharding import shard as shard
+from shardwise.transforms.tensor_parallelism import tensor_parallel as tensor_parallel
 
 PUBLIC: dict[str, str]
 __version__: str

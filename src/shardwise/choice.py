@@ -13,15 +13,15 @@ from torch.utils.data import DataLoader, IterableDataset
 from shardwise.env import Env
 from shardwise.errors import PolicyError
 from shardwise.memory import estimate_memory
-from shardwise.transforms.base import Transform
-from shardwise.transforms.checkpoint_activations import (
+from shardwise.transforms.activation_checkpointing import (
     CheckpointActivations,
     checkpoint_activations,
 )
-from shardwise.transforms.offload import Offload, offload
-from shardwise.transforms.replicate import replicate
-from shardwise.transforms.shard import shard
-from shardwise.transforms.shard_optimizer import ShardOptimizer
+from shardwise.transforms.base import Transform
+from shardwise.transforms.offloading import Offload, offload
+from shardwise.transforms.optimizer_sharding import ShardOptimizer
+from shardwise.transforms.replication import replicate
+from shardwise.transforms.sharding import shard
 
 __all__ = ["SAFE_FRACTION", "choose_distribution", "sample_batch"]
 

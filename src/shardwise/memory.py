@@ -18,10 +18,10 @@ from shardwise.engines import Engine
 from shardwise.env import Env
 from shardwise.policies import Policy, select
 from shardwise.precision import Precision
+from shardwise.transforms.activation_checkpointing import CheckpointActivations
 from shardwise.transforms.base import Distribution, Transform, plan_of
-from shardwise.transforms.checkpoint_activations import CheckpointActivations
-from shardwise.transforms.replicate import replicate
-from shardwise.transforms.shard_optimizer import ShardOptimizer
+from shardwise.transforms.optimizer_sharding import ShardOptimizer
+from shardwise.transforms.replication import replicate
 
 
 class _HasTransforms(Protocol):

@@ -24,9 +24,9 @@ from shardwise.mesh import layout_of as mesh_layout_of
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, check_on_nonfinite
 from shardwise.transforms.base import Stage, Transform, check_combination, plan_of
-from shardwise.transforms.distribute_data import DistributeData, distribute_data
-from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
-from shardwise.transforms.place import Place, place
+from shardwise.transforms.data_distribution import DistributeData, distribute_data
+from shardwise.transforms.placement import Place, place
+from shardwise.transforms.precision_policy import MixedPrecision, mixed_precision
 
 if TYPE_CHECKING:
     from shardwise.configs import ConfigResult

@@ -22,7 +22,7 @@ from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env, detect
 from shardwise.errors import ConfigError, EnvError
 from shardwise.transforms.base import Transform
-from shardwise.transforms.replicate import replicate
+from shardwise.transforms.replication import replicate
 
 __all__ = ["ConfigResult", "config_kind", "read_config", "ddp_settings"]
 

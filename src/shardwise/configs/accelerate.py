@@ -16,8 +16,8 @@ from shardwise.configs.parallelism import asks_for_mesh, parallelism_transforms
 from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.base import Transform
-from shardwise.transforms.mixed_precision import mixed_precision
-from shardwise.transforms.replicate import replicate
+from shardwise.transforms.precision_policy import mixed_precision
+from shardwise.transforms.replication import replicate
 
 LAUNCH = {"compute_environment", "num_processes", "num_machines", "machine_rank",
           "main_process_ip", "main_process_port", "rdzv_backend", "same_network", "gpu_ids",

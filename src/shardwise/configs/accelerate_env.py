@@ -16,7 +16,7 @@ from shardwise._config_source import Source, log
 from shardwise.configs.accelerate import accelerate_transforms
 from shardwise.env import Env
 from shardwise.errors import ConfigError
-from shardwise.transforms.accumulate_gradients import accumulate_gradients
+from shardwise.transforms.accumulation import accumulate_gradients
 from shardwise.transforms.base import Transform
 
 __all__ = ["ORIGIN", "launched_by_accelerate", "read_accelerate_variables"]

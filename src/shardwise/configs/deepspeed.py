@@ -19,14 +19,14 @@ from shardwise.bundle import Bundle
 from shardwise.deepspeed_engine.auto import check_total
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConfigError
-from shardwise.transforms.accumulate_gradients import accumulate_gradients
+from shardwise.transforms.accumulation import accumulate_gradients
 from shardwise.transforms.base import Stage, Transform
-from shardwise.transforms.clip_gradients import clip_gradients
-from shardwise.transforms.mixed_precision import mixed_precision
-from shardwise.transforms.offload import offload
-from shardwise.transforms.replicate import replicate
-from shardwise.transforms.shard import shard
-from shardwise.transforms.shard_optimizer import shard_optimizer
+from shardwise.transforms.clipping import clip_gradients
+from shardwise.transforms.offloading import offload
+from shardwise.transforms.optimizer_sharding import shard_optimizer
+from shardwise.transforms.precision_policy import mixed_precision
+from shardwise.transforms.replication import replicate
+from shardwise.transforms.sharding import shard
 
 T = TypeVar("T")
 

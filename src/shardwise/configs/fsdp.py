@@ -9,11 +9,11 @@ from typing import Any
 from shardwise._config_source import Shape, Source, short
 from shardwise.errors import ConfigError
 from shardwise.policies import Policy, auto, by_class, by_size, root_only
+from shardwise.transforms.activation_checkpointing import checkpoint_activations
 from shardwise.transforms.base import Transform
-from shardwise.transforms.checkpoint_activations import checkpoint_activations
-from shardwise.transforms.offload import offload
-from shardwise.transforms.replicate import replicate
-from shardwise.transforms.shard import shard
+from shardwise.transforms.offloading import offload
+from shardwise.transforms.replication import replicate
+from shardwise.transforms.sharding import shard
 
 _XLA = "is for TPUs, which shardwise does not drive"
 # keys that mean nothing under FSDP2: the shape each takes, and why it gives a notice

@@ -18,9 +18,9 @@ from shardwise._config_source import Source
 from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.base import Stage, Transform
-from shardwise.transforms.replicate import Replicate, replicate
-from shardwise.transforms.shard import Shard, shard
-from shardwise.transforms.tensor_parallel import tensor_parallel
+from shardwise.transforms.replication import Replicate, replicate
+from shardwise.transforms.sharding import Shard, shard
+from shardwise.transforms.tensor_parallelism import tensor_parallel
 
 __all__ = ["PREFIX", "KEYS", "SIZES", "asks_for_mesh", "parallelism_transforms"]
 

@@ -38,13 +38,13 @@ from shardwise.configs.training_args_fields import (
 from shardwise.configs.training_args_loop import fit_settings
 from shardwise.env import Env, detect
 from shardwise.errors import ConfigError
-from shardwise.transforms.accumulate_gradients import accumulate_gradients
+from shardwise.transforms.accumulation import accumulate_gradients
+from shardwise.transforms.activation_checkpointing import CheckpointActivations, checkpoint_activations
 from shardwise.transforms.base import Transform
-from shardwise.transforms.checkpoint_activations import CheckpointActivations, checkpoint_activations
-from shardwise.transforms.clip_gradients import clip_gradients
-from shardwise.transforms.distribute_data import distribute_data
-from shardwise.transforms.mixed_precision import mixed_precision
-from shardwise.transforms.shard import Shard
+from shardwise.transforms.clipping import clip_gradients
+from shardwise.transforms.data_distribution import distribute_data
+from shardwise.transforms.precision_policy import mixed_precision
+from shardwise.transforms.sharding import Shard
 
 __all__ = ["ARGUMENTS", "DEFAULTS", "TrainingSettings", "read_training_args", "per_device_batch",
            "markdown_table"]

@@ -17,12 +17,12 @@ from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.configs.training_args_fields import plain_value
 from shardwise.env import Env
 from shardwise.errors import ConfigError
-from shardwise.transforms.accumulate_gradients import accumulate_gradients
+from shardwise.transforms.accumulation import accumulate_gradients
 from shardwise.transforms.base import Transform
-from shardwise.transforms.clip_gradients import clip_gradients
-from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
-from shardwise.transforms.replicate import replicate
-from shardwise.transforms.shard import Shard
+from shardwise.transforms.clipping import clip_gradients
+from shardwise.transforms.precision_policy import MixedPrecision, mixed_precision
+from shardwise.transforms.replication import replicate
+from shardwise.transforms.sharding import Shard
 
 __all__ = ["fsdp_block", "deepspeed_transforms", "deepspeed_engine_transforms", "ddp_overrides",
            "distribution_transforms", "per_device_batch", "load_file"]

@@ -18,10 +18,10 @@ from shardwise.engines.base import Engine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConfigError, ConflictError
 from shardwise.plan import Plan
-from shardwise.transforms.accumulate_gradients import AccumulateGradients
+from shardwise.transforms.accumulation import AccumulateGradients
 from shardwise.transforms.base import Distribution
-from shardwise.transforms.clip_gradients import ClipGradients
-from shardwise.transforms.mixed_precision import MixedPrecision
+from shardwise.transforms.clipping import ClipGradients
+from shardwise.transforms.precision_policy import MixedPrecision
 
 if TYPE_CHECKING:
     from shardwise.deepspeed_engine.auto import Given

@@ -5,22 +5,22 @@ The native ones, one module each. ``deepspeed()``, which hands the model to Deep
 own engine, lives with that engine in :mod:`shardwise.deepspeed_engine`.
 """
 
-from shardwise.transforms.accumulate_gradients import AccumulateGradients, accumulate_gradients
-from shardwise.transforms.base import Stage, Transform
-from shardwise.transforms.checkpoint_activations import (
+from shardwise.transforms.accumulation import AccumulateGradients, accumulate_gradients
+from shardwise.transforms.activation_checkpointing import (
     CheckpointActivations,
     checkpoint_activations,
 )
-from shardwise.transforms.clip_gradients import ClipGradients, clip_gradients
+from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.clipping import ClipGradients, clip_gradients
 from shardwise.transforms.compile_blocks import Compile, compile
-from shardwise.transforms.distribute_data import DistributeData, distribute_data
-from shardwise.transforms.mixed_precision import MixedPrecision, mixed_precision
-from shardwise.transforms.offload import Offload, offload
-from shardwise.transforms.place import Place, place
-from shardwise.transforms.replicate import Replicate, replicate
-from shardwise.transforms.shard import Shard, shard
-from shardwise.transforms.shard_optimizer import ShardOptimizer, shard_optimizer
-from shardwise.transforms.tensor_parallel import TensorParallel, tensor_parallel
+from shardwise.transforms.data_distribution import DistributeData, distribute_data
+from shardwise.transforms.offloading import Offload, offload
+from shardwise.transforms.optimizer_sharding import ShardOptimizer, shard_optimizer
+from shardwise.transforms.placement import Place, place
+from shardwise.transforms.precision_policy import MixedPrecision, mixed_precision
+from shardwise.transforms.replication import Replicate, replicate
+from shardwise.transforms.sharding import Shard, shard
+from shardwise.transforms.tensor_parallelism import TensorParallel, tensor_parallel
 
 __all__ = [
     "AccumulateGradients", "CheckpointActivations", "ClipGradients", "Compile", "DistributeData",

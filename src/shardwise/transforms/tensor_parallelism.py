@@ -30,7 +30,7 @@ from shardwise.tp_plan import (
     whole_owners,
 )
 from shardwise.transforms.base import Stage, Transform
-from shardwise.transforms.shard import shard
+from shardwise.transforms.sharding import shard
 
 __all__ = ["TensorParallel", "tensor_parallel"]
 

@@ -44,6 +44,7 @@ from shardwise.checkpoint.restore import (
 )
 from shardwise.data import DeviceLoader
 from shardwise.distributed import all_agree, joined
+from shardwise.env import Env
 from shardwise.errors import ArgumentError, CheckpointError
 from shardwise.state import TrainState
 
@@ -92,12 +93,52 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     Example:
         >>> sw.save("checkpoints", bundle, state, keep_last=3)
     """
-    window = bundle.plan.accumulation_steps
+    _check_save(bundle, state, keep_last, blocking)
+    wait_for_saves()  # at most one in flight: the previous one is published first
+    state = bundle.check(state)  # never save after a step whose check is still unread
+    env, root = bundle.env, Path(directory)
+    final, tmp = root / f"step_{state.step:08d}", root / f".tmp.step_{state.step:08d}"
+    _fresh_directory(env, root, tmp)
+    own = bundle.engine.own_checkpoint  # an engine with its own format (DeepSpeed), or None
+    fresh = own is None and bundle.optimizer is not None and not bundle.optimizer.state
+    model_sd: dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
+    other: dict[str, Any] = {}
+    if own is None:
+        model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
+        _refuse_code(model_sd)
+    meta = _record(bundle, state, final, own, other)
+    if not blocking:
+        return _start_async(bundle, state, root, tmp, final, keep_last, meta, fresh,
+                            {"model": model_sd, "optimizer": tensors})
+    ok, problem, digests = _write(bundle, tmp, own, meta, {"model": model_sd, "optimizer": tensors})
+    if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
+        bundle.optimizer.state.clear()
+    if not all_agree(env, ok):
+        raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
+                              "; the previous checkpoint is intact")
+    manifest = integrity.write_manifest(tmp, env, digests)  # a collective
+    ok, problem = True, ""
+    if env.is_main:
+        try:
+            _write_json(tmp / integrity.MANIFEST, manifest)
+            publish(root, tmp, final, state.step, keep_last)
+        except OSError as exc:
+            ok, problem = False, f"{type(exc).__name__}: {exc}"
+    if not all_agree(env, ok):  # nobody returns before the checkpoint is visible
+        raise CheckpointError(f"publishing checkpoint {final} failed ({problem}); "
+                              f"{root / LATEST} still names the previous checkpoint")
+    return final
+
+
+def _check_save(bundle: Bundle, state: TrainState, keep_last: Any, blocking: Any) -> None:
+    """Refuse, before anything is written, what save() cannot do."""
     if state.window_batches:
         raise CheckpointError(
             f"save() at micro-step {state.micro_step} is inside an accumulation window of "
-            f"{window}: the accumulated gradients would be lost; save when a window has ended "
-            "(after a step whose out.stepped is True; state.window_batches == 0)")
+            f"{bundle.plan.accumulation_steps}: the accumulated gradients would be lost; save "
+            "when a window has ended (after a step whose out.stepped is True; "
+            "state.window_batches == 0)")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"save() 'keep_last' must be an integer >= 1 or None (got {keep_last!r})")
     if not isinstance(blocking, bool):
@@ -106,10 +147,11 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         raise ArgumentError(f"save(blocking=False) writes DCP's files in the background; the "
                             f"{bundle.engine.name} engine saves in its own format: use "
                             "blocking=True")
-    wait_for_saves()  # at most one in flight: the previous one is published first
-    state = bundle.check(state)  # never save after a step whose check is still unread
-    env, root = bundle.env, Path(directory)
-    final, tmp = root / f"step_{state.step:08d}", root / f".tmp.step_{state.step:08d}"
+
+
+def _fresh_directory(env: Env, root: Path, tmp: Path) -> None:
+    """Rank 0 makes the hidden directory the ranks write into (clearing what interrupted saves
+    left); every rank learns whether it could."""
     ok, problem = True, ""
     if env.is_main:
         try:
@@ -121,61 +163,45 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             ok, problem = False, str(exc)
     if not all_agree(env, ok):
         raise CheckpointError(f"cannot create checkpoint directory {tmp}: {problem or 'on rank 0'}")
-    own = bundle.engine.own_checkpoint  # an engine with its own format (DeepSpeed), or None
-    fresh = own is None and bundle.optimizer is not None and not bundle.optimizer.state
-    model_sd: dict[str, Any] = {}
-    tensors: dict[str, Any] = {}
-    other: dict[str, Any] = {}
-    if own is None:
-        model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
-        _refuse_code(model_sd)
-    meta = {"format": FORMAT, "name": final.name, "checksums": integrity.MANIFEST,
+
+
+def _record(bundle: Bundle, state: TrainState, final: Path, own: str | None,
+            other: dict[str, Any]) -> dict[str, Any]:
+    """``shardwise.json``: everything but the tensors, as plain JSON."""
+    return {"format": FORMAT, "name": final.name, "checksums": integrity.MANIFEST,
             "engine": own or TORCH_FORMAT,
             "train_state": state.to_dict(),
-            "world_size": env.world_size,
+            "world_size": bundle.env.world_size,
             "data": _data_position(bundle, state),
             "optimizer": plain(other, "the optimizer's hyperparameters"),
             "scheduler": plain(bundle.scheduler.state_dict(), "the scheduler's state")
             if bundle.scheduler is not None else None,
             "scaler": plain(bundle.scaler.state_dict(), "the grad scaler's state")
             if bundle.scaler is not None else None}
+
+
+def _write(bundle: Bundle, tmp: Path, own: str | None, meta: dict[str, Any],
+           tensors: dict[str, Any]) -> tuple[bool, str, dict[str, Any]]:
+    """This rank's files (DCP shards or the engine's own, RNG, and on rank 0 the record):
+    whether they were written, why not, and their checksums."""
     # torch.distributed.checkpoint is imported when first used: it costs most of a second
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
 
-    if not blocking:
-        return _start_async(bundle, state, root, tmp, final, keep_last, meta, fresh,
-                            {"model": model_sd, "optimizer": tensors})
+    env = bundle.env
     try:
         if own is None:
             with dcp_quietly():
-                dcp.save({"model": model_sd, "optimizer": tensors},
-                         storage_writer=FileSystemWriter(tmp), no_dist=not joined(bundle.env))
+                dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not joined(env))
         else:
             bundle.engine.save_own(tmp / own)  # a collective; every rank's files written
         _write_json(tmp / "rng" / f"rank_{env.rank:05d}.json", _rng.capture())
         if env.is_main:
             _write_json(tmp / META, meta)
-        digests = integrity.digests_of(tmp, env.rank, own)
+        return True, "", integrity.digests_of(tmp, env.rank, own)
     except (Exception, CheckpointException) as exc:  # DCP's wraps the rank's OSError
-        ok, problem, digests = False, cause(exc), {}
-    if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
-        bundle.optimizer.state.clear()
-    if not all_agree(env, ok):
-        raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
-                              "; the previous checkpoint is intact")
-    manifest = integrity.write_manifest(tmp, env, digests)  # a collective
-    if env.is_main:
-        try:
-            _write_json(tmp / integrity.MANIFEST, manifest)
-            publish(root, tmp, final, state.step, keep_last)
-        except OSError as exc:
-            ok, problem = False, f"{type(exc).__name__}: {exc}"
-    if not all_agree(env, ok):  # nobody returns before the checkpoint is visible
-        raise CheckpointError(f"publishing checkpoint {final} failed ({problem}); "
-                              f"{root / LATEST} still names the previous checkpoint")
-    return final
+        return False, cause(exc), {}
 
 
 def _start_async(bundle: Bundle, state: TrainState, root: Path, tmp: Path, final: Path,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise.checkpoint.layout import MANIFEST, META, open_regular, read_json
+from shardwise.checkpoint.layout import MANIFEST, META, RNG, open_regular, read_json, rng_file
 from shardwise.env import Env
 from shardwise.errors import CheckpointError
 
@@ -51,12 +51,12 @@ def digests_of(root: Path, rank: int, own: str | None = None) -> dict[str, str]:
     hashes every file of an engine's own format under ``root/own`` (written by all ranks,
     which finished before it returned)."""
     names = [p for p in root.glob(f"__{rank}_*.distcp")]
-    names.append(root / "rng" / f"rank_{rank:05d}.json")
+    names.append(rng_file(root, rank))
     if rank == 0:
         names += [root / ".metadata", root / "shardwise.json"]
         if own is not None:  # the engine's files, and any it wrote beside them (scripts)
             names += sorted(p for p in root.rglob("*") if not p.is_dir()
-                            and p.name != MANIFEST and p.parent.name != "rng")
+                            and p.name != MANIFEST and p.parent.name != RNG)
     return {str(p.relative_to(root)): _digest(p) for p in names if p.is_file()}
 
 

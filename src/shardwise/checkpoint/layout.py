@@ -17,7 +17,7 @@ from typing import IO, Any
 
 __all__ = ["META", "FORMAT", "TORCH_FORMAT", "MANIFEST", "LATEST", "write_durably", "publish", "is_complete",
            "incomplete_parts", "complete_steps", "candidates", "latest_checkpoint",
-           "open_regular", "read_json"]
+           "open_regular", "read_json", "RNG", "rng_file"]
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -28,6 +28,12 @@ FORMAT = 1
 TORCH_FORMAT = "torch"
 MANIFEST = "checksums.json"  # see integrity.py
 LATEST = "latest"
+RNG = "rng"  # the directory of each rank's generator states
+
+
+def rng_file(checkpoint: Path, rank: int) -> Path:
+    """Where ``rank``'s generator states are in ``checkpoint``."""
+    return checkpoint / RNG / f"rank_{rank:05d}.json"
 
 
 _MAX_JSON_BYTES = 16 * 2**20  # what shardwise writes is far smaller

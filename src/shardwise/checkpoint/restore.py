@@ -31,6 +31,7 @@ from shardwise.checkpoint.layout import (
     incomplete_parts,
     is_complete,
     read_json,
+    rng_file,
 )
 from shardwise.data import DeviceLoader
 from shardwise.distributed import all_agree, joined
@@ -204,7 +205,7 @@ def read_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> dict[str, Any]
                     "generators are not restored (dropout and shuffling continue from the "
                     "seeds, not bit for bit)", path, meta["world_size"], bundle.env.world_size)
         return None
-    rank_file = path / "rng" / f"rank_{bundle.env.rank:05d}.json"
+    rank_file = rng_file(path, bundle.env.rank)
     try:
         data = read_json(rank_file)
     except (OSError, ValueError) as exc:

@@ -31,6 +31,7 @@ from shardwise.checkpoint.layout import (
     TORCH_FORMAT,
     latest_checkpoint,
     publish,
+    rng_file,
     write_durably,
 )
 from shardwise.checkpoint.restore import (
@@ -62,6 +63,13 @@ def plain(value: Any, where: str) -> Any:
 
 def _write_json(path: Path, data: Any) -> None:
     write_durably(path, json.dumps(data, indent=1))
+
+
+def _write_small_files(tmp: Path, env: Env, meta: dict[str, Any]) -> None:
+    """This rank's generator states as of now, and on rank 0 the record (``shardwise.json``)."""
+    _write_json(rng_file(tmp, env.rank), _rng.capture())
+    if env.is_main:
+        _write_json(tmp / META, meta)
 
 
 def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *,
@@ -108,10 +116,10 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
         _refuse_code(model_sd)
     meta = _record(bundle, state, final, own, other)
+    dcp_state = {"model": model_sd, "optimizer": tensors}
     if not blocking:
-        return _start_async(bundle, state, root, tmp, final, keep_last, meta, fresh,
-                            {"model": model_sd, "optimizer": tensors})
-    ok, problem, digests = _write(bundle, tmp, own, meta, {"model": model_sd, "optimizer": tensors})
+        return _start_async(bundle, state, root, tmp, final, keep_last, meta, fresh, dcp_state)
+    ok, problem, digests = _write(bundle, tmp, own, meta, dcp_state)
     if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
         bundle.optimizer.state.clear()
     if not all_agree(env, ok):
@@ -196,9 +204,7 @@ def _write(bundle: Bundle, tmp: Path, own: str | None, meta: dict[str, Any],
                 dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not joined(env))
         else:
             bundle.engine.save_own(tmp / own)  # a collective; every rank's files written
-        _write_json(tmp / "rng" / f"rank_{env.rank:05d}.json", _rng.capture())
-        if env.is_main:
-            _write_json(tmp / META, meta)
+        _write_small_files(tmp, env, meta)
         return True, "", integrity.digests_of(tmp, env.rank, own)
     except (Exception, CheckpointException) as exc:  # DCP's wraps the rank's OSError
         return False, cause(exc), {}
@@ -212,9 +218,7 @@ def _start_async(bundle: Bundle, state: TrainState, root: Path, tmp: Path, final
     env = bundle.env
     ok, problem = True, ""
     try:
-        _write_json(tmp / "rng" / f"rank_{env.rank:05d}.json", _rng.capture())
-        if env.is_main:
-            _write_json(tmp / META, meta)
+        _write_small_files(tmp, env, meta)
     except OSError as exc:
         ok, problem = False, f"{type(exc).__name__}: {exc}"
     if not all_agree(env, ok):

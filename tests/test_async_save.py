@@ -73,7 +73,7 @@ def test_two_ranks_async_checkpoint_holds_the_asked_state_and_resumes_exactly(tm
     # the second save waited for the first: at most one in flight
     assert all(r["first_done"] for r in ran)
     assert "published" in ran[0]["handle"]
-    assert sorted(p.name for p in Path(path).iterdir()) == ["latest", "step_00000004"]
+    assert sorted(p.name for p in Path(path).iterdir()) == [".shardwise.lock", "latest", "step_00000004"]
     resumed = run_distributed(resume, path, parts, world_size=2, timeout=300)
     for rank, again in zip(ran, resumed, strict=True):
         assert again["step_loaded"] == "step_00000004"
@@ -109,7 +109,7 @@ def test_a_failed_background_write_publishes_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
     handle = sw.save(path, bundle, state, blocking=False)
-    with pytest.raises(CheckpointError, match=r"No space left on device.*still names the previous"):
+    with pytest.raises(CheckpointError, match=r"no space left on device.*still names the previous"):
         handle.result()
     assert sw.latest_checkpoint(path).name == "step_00000002"
     assert not list(path.glob(".tmp.*"))  # the unpublished files are removed

@@ -87,7 +87,9 @@ def test_checkpoint_layout_on_disk(resumed):
     assert sorted(os.listdir(os.path.join(path, "rng"))) == ["rank_00000.json", "rank_00001.json"]
     meta = json.loads(open(os.path.join(path, "shardwise.json")).read())
     assert meta["train_state"]["step"] == 5 and meta["world_size"] == 2
-    assert meta["data"] == {"epoch": 1, "batch_in_epoch": 4, "seed": 0}
+    # 4 batches of 4 on each of 2 ranks: 32 samples of the epoch's order read, of 48
+    assert meta["data"] == {"epoch": 1, "batch_in_epoch": 4, "seed": 0, "cursor": 32,
+                            "samples": 48}
     assert open(os.path.join(root, "shard", "latest")).read().strip() == "step_00000005"
 
 
@@ -263,7 +265,8 @@ def test_a_full_disk_during_save_raises_and_keeps_the_previous_checkpoint(tmp_pa
 
     monkeypatch.setattr(dcp, "FileSystemWriter", FullDisk)  # imported when save() runs
     state, _ = train_for(bundle, state, 1)
-    with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint is intact"):
+    with pytest.raises(CheckpointError, match="no space left on device writing .*tmp.step_00000002"
+                                              ".*previous checkpoint is intact"):
         sw.save(tmp_path, bundle, state)
     assert sw.latest_checkpoint(tmp_path) == previous
     assert not (tmp_path / "step_00000002").exists()
@@ -403,7 +406,7 @@ def test_keep_last_after_a_rollback_and_debris_cleanup(tmp_path):
     rolled_back = sw.TrainState(step=2, micro_step=2)
     sw.save(tmp_path, bundle, rolled_back, keep_last=2)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["latest", "step_00000001", "step_00000002", "step_00000003"]
+    assert names == [".shardwise.lock", "latest", "step_00000001", "step_00000002", "step_00000003"]
     assert (tmp_path / "latest").read_text().strip() == "step_00000002"
 
 
@@ -493,7 +496,8 @@ def test_keep_last_never_deletes_the_users_own_copies(tmp_path):
         state, _ = train_for(bundle, state, 1)
         sw.save(tmp_path, bundle, state, keep_last=1)
     names = sorted(os.listdir(tmp_path))
-    assert names == ["latest", "step_00000000", "step_00000001.bak", "step_00000004", "step_best"]
+    assert names == [".shardwise.lock", "latest", "step_00000000", "step_00000001.bak",
+                     "step_00000004", "step_best"]
 
 
 def test_a_damaged_or_foreign_latest_marker_falls_back_to_the_newest_checkpoint(tmp_path):
@@ -585,7 +589,7 @@ def reseal(path):
 
     files = {}
     for rank in range(2):
-        files.update(_integrity.digests_of(path, rank))
+        files.update({name: sha for name, (sha, _) in _integrity.digests_of(path, rank).items()})
     (path / _integrity.MANIFEST).write_text(json.dumps(
         {"files": files, "sealed": _integrity._sealed(files)}))
 
@@ -673,7 +677,7 @@ def test_a_checkpoint_that_lost_its_checksums_is_refused_unless_it_predates_them
     assert sw.load(tmp_path, bundle).step == 1
     meta = json.loads((older / "shardwise.json").read_text())
     assert meta["checksums"] == "checksums.json"
-    del meta["checksums"], meta["engine"]  # as written before both: loaded unverified
+    del meta["checksums"], meta["engine"], meta["parts"]  # as written before: loaded unverified
     (older / "shardwise.json").write_text(json.dumps(meta))
     (older / "checksums.json").unlink()
     assert sw.load(older, bundle).step == 1

@@ -92,7 +92,7 @@ def saved(tmp_path_factory):
         states[state.step], snapshots[state.step] = state, snapshot(bundle)
         sw.save(root, bundle, state)
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) == sorted(
-        ALL_FILES)
+        (".shardwise.lock", *ALL_FILES))
     train_for(bundle, state, 1)  # the bundle holds neither checkpoint's tensors
     baseline = (copy.deepcopy(bundle.model.state_dict()), copy.deepcopy(bundle.optimizer.state_dict()),
                 copy.deepcopy(bundle.scheduler.state_dict()))

@@ -4,6 +4,10 @@ under replicate, shard and tensor_parallel, with activation checkpointing, accum
 clipping. The distributed runs use the ``aot_eager`` backend (dynamo and AOTAutograd, no
 C++ code generation: seconds, not minutes on 2 cores); one run uses ``inductor``."""
 
+import importlib.metadata
+import importlib.util
+import logging
+
 import pytest
 import torch
 import torch._dynamo
@@ -153,3 +157,80 @@ def test_configs_build_compile(tmp_path):
                                     "dynamo_config": {"dynamo_backend": "TURBO"}}))
     with pytest.raises(ConfigError, match=r"dynamo_config.dynamo_backend='TURBO'"):
         sw.from_config(path, env=ONE)
+
+
+@pytest.mark.parametrize(("backend", "package"), [("tvm", "tvm"), ("openxla", "torch_xla")])
+def test_a_listed_backend_whose_package_is_missing_is_refused_when_built(backend, package):
+    if backend not in torch._dynamo.list_backends(exclude_tags=()) or importlib.util.find_spec(package):
+        pytest.skip(f"torch does not list {backend} here, or {package} is installed")
+    step = sw.compile(backend=backend)  # construction checks the name's shape only
+    with pytest.raises(ArgumentError, match=rf"compile\(\) 'backend' '{backend}' cannot compile "
+                                            rf"here: its package {package} is not installed; "
+                                            r"backends that work here: .*\beager\b.*inductor"):
+        sw.pipeline(ONE, step)
+
+
+def test_a_backend_plugin_that_fails_to_load_is_refused_when_built(monkeypatch):
+    from torch._dynamo.backends import registry
+
+    torch._dynamo.list_backends()  # torch's own backends registered first
+    plugin = importlib.metadata.EntryPoint(name="broken", group="torch_dynamo_backends",
+                                           value="shardwise_no_such_plugin.backend:compiler")
+    monkeypatch.setitem(registry._BACKENDS, "broken", plugin)
+    with pytest.raises(ArgumentError, match=r"'broken' cannot compile here: it fails to load "
+                                            r"\(ModuleNotFoundError: .*shardwise_no_such_plugin"):
+        sw.pipeline(ONE, sw.compile(backend="broken"))
+    sw.pipeline(ONE, sw.compile(backend="eager"))  # a backend that loads is accepted
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def recompile_limit_warnings(caplog, compiled, lengths=(8, 9, 10)):
+    """(shardwise's warnings about the recompile limit, torch's) while ``compiled`` (a
+    callable taking token ids) runs on inputs of each length, the limit at 1."""
+    torch._dynamo.reset()
+    caplog.clear()
+    torchs = Records()  # on torch's logger itself: whether it propagates is torch's choice
+    logging.getLogger("torch._dynamo").addHandler(torchs)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING):
+            for length in lengths:
+                compiled(torch.randint(0, 32, (2, length)))
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(torchs)
+    ours = [r.getMessage() for r in caplog.records
+            if r.name.startswith("shardwise") and "recompile limit" in r.getMessage()]
+    return ours, [m for m in torchs.messages if "hit config.recompile_limit" in m]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_hitting_the_recompile_limit_is_said_naming_the_block_and_the_guard(caplog, checkpointed):
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
+    parts = [sw.checkpoint_activations()] if checkpointed else []
+    sw.pipeline(ONE, sw.compile(backend="eager", dynamic=False), *parts)(
+        model, torch.optim.SGD(model.parameters(), lr=0.1))
+    said, _ = recompile_limit_warnings(caplog, model)
+    # once: past the limit torch runs the blocks' shared code eagerly, compiling nothing more
+    assert len(said) == 1, said
+    assert said[0].startswith("compile(): layers.0 (TinyDecoderBlock) hit torch's recompile "
+                              "limit (torch._dynamo.config.recompile_limit=1)")
+    assert "the guard that changed: 0/0: tensor" in said[0]
+    assert "size mismatch at index 1. expected 8, actual 9" in said[0]
+    assert "runs it eagerly" in said[0] and "compile(dynamic=True)" in said[0]
+
+
+def test_the_recompile_limit_of_code_shardwise_did_not_compile_is_left_to_torch(caplog):
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
+    sw.pipeline(ONE, sw.compile(backend="eager"))(model, torch.optim.SGD(model.parameters()))
+    mine = torch.compile(lambda ids: ids * 2, backend="eager", dynamic=False)
+    said, torchs = recompile_limit_warnings(caplog, mine)
+    assert said == [] and len(torchs) == 1  # torch hit the limit, and says so itself

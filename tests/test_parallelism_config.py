@@ -115,3 +115,38 @@ def test_variables_are_named_in_errors_and_fsdp2_is_required(tmp_path):
     no_shard["fsdp_config"].pop("fsdp_reshard_after_forward")
     with pytest.raises(ConfigError, match=r"NO_SHARD"):
         sw.from_config(write(tmp_path, no_shard), env=env())
+
+
+@pytest.mark.parametrize("size", ["dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
+                                  "sp_size"])
+def test_two_spellings_of_a_size_that_disagree_are_refused_naming_both(tmp_path, size):
+    block = {**YAML["parallelism_config"], f"parallelism_config_{size}": 2, size: 4}
+    data = {**YAML, "parallelism_config": block}
+    message = (rf"parallelism_config.parallelism_config_{size}=2 and parallelism_config.{size}=4 "
+               r"contradict each other \(the same setting, with and without the "
+               r"parallelism_config_ prefix\); keep one")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))  # the keys in the order written
+    with pytest.raises(ConfigError, match=message):
+        sw.from_config(path, env=env())
+    # TrainingArguments' dict, with the bare name first: named in the order written
+    args = {"fsdp": "full_shard", "parallelism_config": {size: 1, f"parallelism_config_{size}": 2}}
+    with pytest.raises(ConfigError, match=rf"parallelism_config.{size}=1 and parallelism_config."
+                                          rf"parallelism_config_{size}=2 contradict each other"):
+        sw.from_training_args(args, env=env())
+
+
+def test_two_spellings_of_a_size_that_agree_are_accepted(tmp_path):
+    # the same value twice, and a null (unset) that does not hide the other spelling's value
+    block = {**YAML["parallelism_config"], "dp_shard_size": 2, "tp_size": None}
+    from_yaml = sw.from_config(write(tmp_path, {**YAML, "parallelism_config": block}), env=env())
+    assert configured(from_yaml) == CODE
+
+
+def test_two_spellings_that_disagree_are_refused_beside_deepspeed_too():
+    # there only "is a mesh asked for?" is read
+    args = {"deepspeed": {"train_micro_batch_size_per_gpu": 1},
+            "parallelism_config": {"tp_size": 2, "parallelism_config_tp_size": 4}}
+    with pytest.raises(ConfigError, match=r"parallelism_config.tp_size=2 and "
+                                          r"parallelism_config.parallelism_config_tp_size=4"):
+        sw.from_training_args(args, env=env())

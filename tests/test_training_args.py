@@ -232,6 +232,6 @@ def test_two_ranks_from_training_args_match_one_process_and_resume(tmp_path):
     (two_step, two), _ = run_distributed(_train, str(tmp_path / "two"), 5)  # resumed at 3
     assert one_step == two_step == 5
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
-        "latest", "step_00000002", "step_00000003", "step_00000004", "step_00000005"]
+        ".shardwise.lock", "latest", "step_00000002", "step_00000003", "step_00000004", "step_00000005"]
     for name, value in one.items():
         torch.testing.assert_close(two[name], value, atol=1e-6, rtol=1e-5)

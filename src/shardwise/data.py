@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -26,19 +25,48 @@ __all__ = ["DeviceLoader", "ResumableSampler", "to_device", "shard_loader", "sam
 
 
 class ResumableSampler(DistributedSampler[Any]):
-    """A ``DistributedSampler`` that can start an epoch part-way, at sample ``start``.
+    """A ``DistributedSampler`` that can start an epoch part-way, at a global ``cursor``.
 
-    Resuming mid-epoch draws the same permutation and skips the indices already used:
-    no sample is loaded twice.
+    The epoch's order is one permutation of the dataset (from the seed and the epoch, never
+    from the world size); the ranks read it in turns, so after any number of whole global
+    batches the samples read are exactly its first ``cursor``. Resuming at ``cursor`` splits
+    the rest of the permutation over this sampler's ranks, however many there are and
+    whatever their batch size: every remaining sample is read once. Like
+    ``DistributedSampler``, the share is made even by repeating samples from the epoch's
+    start (or, with ``drop_last``, by dropping the last few). With the ranks and the batch
+    size of the save this is exactly the rest of the uninterrupted epoch.
     """
 
-    start = 0
+    cursor = 0
+
+    def _order(self) -> list[int]:
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            return torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+        return list(range(len(self.dataset)))  # type: ignore[arg-type]
+
+    def remaining(self) -> int:
+        """Samples this rank reads in the epoch from ``cursor`` on."""
+        rest = max(0, len(self.dataset) - self.cursor)  # type: ignore[arg-type]
+        if self.drop_last:
+            return rest // self.num_replicas
+        return -(-rest // self.num_replicas)
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(super().__iter__(), self.start, None)
+        if not self.cursor:
+            return super().__iter__()
+        order = self._order()
+        rest = order[self.cursor:]
+        if self.drop_last:
+            rest = rest[:len(rest) - len(rest) % self.num_replicas]
+        else:
+            pad = -len(rest) % self.num_replicas
+            rest += (order * -(-pad // max(1, len(order))))[:pad]
+        return iter(rest[self.rank::self.num_replicas])
 
     def __len__(self) -> int:
-        return super().__len__() - self.start
+        return self.remaining() if self.cursor else super().__len__()
 
 
 def to_device(batch: Any, device: torch.device, *, non_blocking: bool = True) -> Any:
@@ -82,6 +110,8 @@ class DeviceLoader:
         self.batch_in_epoch = 0
         self._next_epoch = 0
         self._resume_at = 0  # batches of the next epoch already consumed before a resume
+        self._resume_cursor = 0  # and the samples of its order read by every rank together
+        self._base = (0, 0)  # (batch_in_epoch, cursor) where this epoch's iteration began
         generator = getattr(loader, "generator", None)
         # the base of the per-epoch seeds of the loader's generator (the user's seed, if any)
         self._generator_seed = generator.initial_seed() if generator is not None else 0
@@ -92,21 +122,76 @@ class DeviceLoader:
         """Make the next iteration epoch ``epoch`` (for resuming)."""
         self._next_epoch = epoch
 
-    def resume(self, epoch: int, batch_in_epoch: int) -> None:
-        """Make the next iteration continue epoch ``epoch`` after ``batch_in_epoch`` batches.
+    def _batch_size(self) -> int:
+        return getattr(self.loader, "batch_size", None) or 1
 
-        The sampler starts part-way through the epoch's permutation; no batch is re-read.
+    def cursor(self, epoch: int, batch_in_epoch: int) -> int | None:
+        """The samples of epoch ``epoch``'s order read by every rank together after this rank
+        handed out ``batch_in_epoch`` batches of it (None: the sampler is not shardwise's)."""
+        sampler = self.sampler
+        if not isinstance(sampler, ResumableSampler):
+            return None
+        if (self._resume_at or self._resume_cursor) and epoch == self._next_epoch:
+            first_batch, first_cursor = self._resume_at, self._resume_cursor  # not begun yet
+        elif epoch == self.epoch:
+            first_batch, first_cursor = self._base
+        else:
+            first_batch, first_cursor = 0, 0
+        read = first_cursor + (batch_in_epoch - first_batch) * self._batch_size() \
+            * sampler.num_replicas
+        return max(0, min(read, len(sampler.dataset)))  # type: ignore[arg-type]
+
+    def plan_resume(self, epoch: int, batch_in_epoch: int, cursor: int | None = None,
+                    samples: int | None = None) -> tuple[int, int, int]:
+        """Where a resume at (epoch, batch_in_epoch, global cursor) continues here:
+        (epoch, this rank's batch_in_epoch, cursor); the end of an epoch is (E + 1, 0, 0).
+        A record without a cursor was saved with this loader's ranks and batch size.
+        Changes nothing.
+
+        Raises:
+            DataError: mid-epoch, and the sampler cannot start part-way, or the dataset's
+                length is not the saved one.
+        """
+        if not batch_in_epoch and not cursor:
+            return epoch, 0, 0
+        sampler = self.sampler
+        if not isinstance(sampler, ResumableSampler):
+            raise DataError(
+                f"cannot resume mid-epoch (batch {batch_in_epoch} of epoch {epoch}): the "
+                f"loader's sampler is a {type(sampler).__name__}, which cannot start "
+                "part-way; let shardwise build the sampler (shuffle=True/False), or save at "
+                "epoch ends")
+        size = len(sampler.dataset)  # type: ignore[arg-type]
+        if samples is not None and samples != size:
+            raise DataError(
+                f"the checkpoint was saved part-way through an epoch of a {samples}-sample "
+                f"dataset, this loader's dataset has {size} samples: the epoch's order would "
+                "differ, so the samples left cannot be found; resume with the same dataset")
+        if cursor is None:
+            cursor = batch_in_epoch * self._batch_size() * sampler.num_replicas
+        per_rank = max(0, size - cursor)
+        per_rank = per_rank // sampler.num_replicas if sampler.drop_last \
+            else -(-per_rank // sampler.num_replicas)
+        size_of = self._batch_size()
+        left = per_rank // size_of if getattr(self.loader, "drop_last", False) \
+            else -(-per_rank // size_of)
+        length = self.epoch_length()
+        if left == 0 or length is None:
+            return epoch + 1, 0, 0
+        return epoch, max(0, length - left), cursor
+
+    def resume(self, epoch: int, batch_in_epoch: int, cursor: int | None = None) -> None:
+        """Make the next iteration continue epoch ``epoch`` at the global ``cursor`` (default:
+        after ``batch_in_epoch`` batches of this loader's ranks and batch size), counting
+        from ``batch_in_epoch``.
+
+        The sampler starts part-way through the epoch's permutation; no sample is re-read.
 
         Raises:
             DataError: the loader's sampler cannot start mid-epoch.
         """
-        if batch_in_epoch and not isinstance(self.sampler, ResumableSampler):
-            raise DataError(
-                f"cannot resume mid-epoch (batch {batch_in_epoch} of epoch {epoch}): the "
-                f"loader's sampler is a {type(self.sampler).__name__}, which cannot start "
-                "part-way; let shardwise build the sampler (shuffle=True/False), or save at "
-                "epoch ends")
-        self._next_epoch, self._resume_at = epoch, batch_in_epoch
+        epoch, done, cursor = self.plan_resume(epoch, batch_in_epoch, cursor)
+        self._next_epoch, self._resume_at, self._resume_cursor = epoch, done, cursor
 
     def epoch_length(self) -> int | None:
         """Batches in a whole epoch (however far the current one has got), or None if the
@@ -145,11 +230,12 @@ class DeviceLoader:
     def __iter__(self) -> Iterator[Any]:
         self.epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         self.batch_in_epoch, self._resume_at = self._resume_at, 0
+        self._base, self._resume_cursor = (self.batch_in_epoch, self._resume_cursor), 0
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if set_epoch is not None:
             set_epoch(self.epoch)
         if isinstance(self.sampler, ResumableSampler):
-            self.sampler.start = self.batch_in_epoch * (getattr(self.loader, "batch_size", 1) or 1)
+            self.sampler.cursor = self._base[1]
             generator = getattr(self.loader, "generator", None)
             if generator is not None:  # worker seeds depend on (seeds, epoch) only
                 generator.manual_seed((self._generator_seed + self.sampler.seed * 1_000_003

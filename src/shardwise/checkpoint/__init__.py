@@ -5,7 +5,9 @@
 - ``restore``: the steps of ``sw.load`` (find an intact checkpoint, check it fits, read
   it all or nothing, position the loader).
 - ``background``: ``sw.save(..., blocking=False)``, published when every rank is done.
-- ``layout``: ``step_N`` directories, atomic publishing, ``latest``, ``keep_last``.
+- ``layout``: ``step_N`` directories, which checkpoints are published, ``latest``.
+- ``lock``: one writer per root (an OS file lock held by rank 0 for the whole save).
+- ``transaction``: recovering what a crash left, publishing in renames, ``keep_last``.
 - ``integrity``: the sealed checksums every load verifies first.
 - ``safe_reader``: DCP metadata read through an allow-list, never an arbitrary unpickle.
 - ``rng``: each rank's random generators, as JSON.

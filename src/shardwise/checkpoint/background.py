@@ -9,16 +9,22 @@ planning collectives run on a separate gloo group.
 At most one save is in flight per process: a new save (blocking or not), ``sw.load`` and
 the end of the process wait for it first. A process killed while a save is in flight
 leaves ``latest`` naming the previous checkpoint, intact (the new one is still
-``.tmp.step_N``, which the next save removes).
+``.tmp.step_N``, which the next save removes). The root's writer lock, taken by the save
+call, is given back by the background thread once the save has ended. A save that failed
+and was never waited for makes the process exit with status 1, its cause on stderr.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import json
 import logging
+import math
+import os
 import shutil
+import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,26 +32,75 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardwise._text import short
 from shardwise.checkpoint import integrity
-from shardwise.checkpoint.layout import publish, write_durably
+from shardwise.checkpoint.layout import write_durably
+from shardwise.checkpoint.lock import RootLock
+from shardwise.checkpoint.transaction import publish
 from shardwise.distributed import joined, side_group
 from shardwise.env import Env
-from shardwise.errors import CheckpointError
+from shardwise.errors import ArgumentError, CheckpointError
 
-__all__ = ["AsyncSave", "start", "wait_for_saves", "cause"]
+__all__ = ["AsyncSave", "start", "wait_for_saves", "cause", "describe_os_error"]
 
 log = logging.getLogger("shardwise.checkpoint")
 
 
-def cause(exc: BaseException) -> str:
-    """The first line of the underlying error: DCP wraps each rank's in a CheckpointException."""
+def _underlying(exc: BaseException) -> BaseException:
+    """The rank's own error inside DCP's ``CheckpointException``, else ``exc``."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(exc, CheckpointException):
         for failure in exc.failures.values():
-            underlying = failure[0] if isinstance(failure, tuple) else failure
-            return f"{type(underlying).__name__}: {underlying}"
+            return failure[0] if isinstance(failure, tuple) else failure
+    return exc
+
+
+def _no_space(exc: BaseException) -> OSError | None:
+    """The ``ENOSPC`` error in ``exc``'s chain, if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def describe_os_error(exc: OSError, where: Path | None = None) -> str:
+    """An ``OSError`` in words: what happened to which path."""
+    path = exc.filename or where
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on device writing {path}"
+    if exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}" + (f" ({path})" if path else "")
     return f"{type(exc).__name__}: {exc}"
+
+
+def cause(exc: BaseException, where: Path | None = None) -> str:
+    """The underlying error in words: DCP wraps each rank's in a CheckpointException, and
+    torch's archive writer reports a full disk as ``inline_container.cc`` text."""
+    underlying = _underlying(exc)
+    full = _no_space(underlying)
+    if full is not None:
+        return describe_os_error(full, where)
+    text = str(underlying)
+    if "inline_container" in text or "file write failed" in text:
+        if where is not None and _nearly_full(where):
+            return f"no space left on device writing {where}"
+        return f"writing a tensor file in {where or 'the checkpoint'} failed ({text[:200]})"
+    if isinstance(underlying, OSError):
+        return describe_os_error(underlying, where)
+    return f"{type(underlying).__name__}: {text}"
+
+
+def _nearly_full(where: Path) -> bool:
+    """Whether the filesystem of ``where`` has under 1 MiB left (after a failed write)."""
+    try:
+        return shutil.disk_usage(where if where.exists() else where.parent).free < 2**20
+    except OSError:
+        return False
 
 
 class AsyncSave:
@@ -72,7 +127,13 @@ class AsyncSave:
         Raises:
             CheckpointError: the save failed on some rank (nothing was published; ``latest``
                 names the previous checkpoint), or ``timeout`` seconds passed.
+            ArgumentError: ``timeout`` is not None or a finite number of seconds >= 0.
         """
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout < 0):
+            raise ArgumentError(f"AsyncSave.result() 'timeout' must be None or a finite number of "
+                                f"seconds >= 0 (got {short(timeout)})")
         if self._thread is not None:
             self._thread.join(timeout)
         if not self.done():
@@ -118,17 +179,25 @@ def wait_for_saves() -> None:
 
 
 def _wait_at_exit() -> None:
+    """At the process's end: wait for the save in flight; one that failed unobserved makes
+    the process exit with status 1, its cause on stderr (a lost checkpoint is never silent)."""
     handle = _IN_FLIGHT.handle
-    if handle is not None:
-        log.info("waiting for the checkpoint %s being written before exiting", handle.path)
-        try:
-            handle.result()
-        except CheckpointError as exc:
-            log.error("%s", exc)
+    if handle is None:
+        return
+    log.info("waiting for the checkpoint %s being written before exiting", handle.path)
+    try:
+        handle.result()
+    except CheckpointError as exc:
+        log.error("%s", exc)
+        print(f"shardwise: a checkpoint written in the background failed and was never waited "
+              f"for; exiting with status 1: {exc}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def start(env: Env, root: Path, tmp: Path, final: Path, step: int, keep_last: int | None,
-          state: dict[str, Any]) -> AsyncSave:
+          state: dict[str, Any], lock: RootLock | None) -> AsyncSave:
     """Stage ``state`` to host memory and write it into ``tmp`` in the background; rank 0
     publishes it as ``final`` once every rank's files are written. Every rank calls it."""
     import torch.distributed.checkpoint as dcp
@@ -144,7 +213,7 @@ def start(env: Env, root: Path, tmp: Path, final: Path, step: int, keep_last: in
     handle = AsyncSave(final)
     handle._thread = threading.Thread(
         target=_finish, name=f"shardwise-save-{final.name}", daemon=False,
-        args=(handle, env, root, tmp, final, step, keep_last, future, report))
+        args=(handle, env, root, tmp, final, step, keep_last, future, report, lock))
     _IN_FLIGHT.handle = handle
     if not _IN_FLIGHT.exit_hook:  # registered after the group's own exit: runs before it
         atexit.register(_wait_at_exit)
@@ -162,7 +231,7 @@ class _Report:
         # writing may take long on a large model: the job's own collective timeout, at least
         self.timeout = max(env.timeout, datetime.timedelta(minutes=30))
 
-    def post(self, digests: dict[str, str], error: str | None) -> None:
+    def post(self, digests: integrity.Written, error: str | None) -> None:
         value = json.dumps({"digests": digests, "error": error})
         self.store.set(f"{self.key}/rank_{self.env.rank}", value)
 
@@ -181,17 +250,28 @@ class _Report:
 
 
 def _finish(handle: AsyncSave, env: Env, root: Path, tmp: Path, final: Path, step: int,
-            keep_last: int | None, future: Future[Any], report: _Report | None) -> None:
-    """The background half: wait for this rank's files, report, and on rank 0 publish."""
+            keep_last: int | None, future: Future[Any], report: _Report | None,
+            lock: RootLock | None) -> None:
+    """The background half: wait for this rank's files, report, and on rank 0 publish (then
+    give the root's lock back)."""
+    try:
+        _finish_locked(handle, env, root, tmp, final, step, keep_last, future, report)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _finish_locked(handle: AsyncSave, env: Env, root: Path, tmp: Path, final: Path, step: int,
+                   keep_last: int | None, future: Future[Any], report: _Report | None) -> None:
     error: str | None = None
-    digests: dict[str, str] = {}
+    digests: integrity.Written = {}
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         future.result()
         digests = integrity.digests_of(tmp, env.rank)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        error = f"rank {env.rank}: {cause(exc)}"
+        error = f"rank {env.rank}: {cause(exc, tmp)}"
     try:
         if report is not None:
             report.post(digests, error)
@@ -218,14 +298,14 @@ def _publish(env: Env, root: Path, tmp: Path, final: Path, step: int, keep_last:
     if errors:
         shutil.rmtree(tmp, ignore_errors=True)
         return "; ".join(errors)
-    files: dict[str, str] = {}
+    written: integrity.Written = {}
     for outcome in outcomes:
-        files.update(outcome["digests"])
-    manifest = {"files": files, "sealed": integrity.sealed(files)}
+        written.update({name: (sha, size) for name, (sha, size) in outcome["digests"].items()})
     try:
+        manifest, sizes = integrity.manifest_of(tmp, env.world_size, written)
         write_durably(tmp / integrity.MANIFEST, json.dumps(manifest, indent=1))
-        publish(root, tmp, final, step, keep_last)
+        publish(root, tmp, final, step, keep_last, sizes)
     except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return describe_os_error(exc)
     log.info("checkpoint %s published (written in the background)", final)
     return None

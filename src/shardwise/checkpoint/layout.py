@@ -9,15 +9,14 @@ import json
 import logging
 import os
 import re
-import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["META", "FORMAT", "TORCH_FORMAT", "MANIFEST", "LATEST", "write_durably", "publish", "is_complete",
-           "incomplete_parts", "complete_steps", "candidates", "latest_checkpoint",
-           "open_regular", "read_json", "RNG", "rng_file"]
+__all__ = ["META", "FORMAT", "TORCH_FORMAT", "MANIFEST", "LATEST", "OLD", "write_durably",
+           "fsync_dir", "is_complete", "incomplete_parts", "complete_steps", "candidates",
+           "latest_checkpoint", "open_regular", "read_json", "RNG", "rng_file", "step_of"]
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -29,6 +28,8 @@ TORCH_FORMAT = "torch"
 MANIFEST = "checksums.json"  # see integrity.py
 LATEST = "latest"
 RNG = "rng"  # the directory of each rank's generator states
+#: the prefix of a published checkpoint moved aside while the same step is saved again
+OLD = ".old."
 
 
 def rng_file(checkpoint: Path, rank: int) -> Path:
@@ -39,14 +40,35 @@ def rng_file(checkpoint: Path, rank: int) -> Path:
 _MAX_JSON_BYTES = 16 * 2**20  # what shardwise writes is far smaller
 
 
-def open_regular(path: Path) -> IO[bytes]:
-    """``path`` opened for reading, when it is (or links to) a regular file.
+def _open_below(path: Path, below: Path) -> int:
+    """``path`` opened (non-blocking) through no symlink from ``below`` down."""
+    parts = path.relative_to(below).parts
+    directory = os.open(below, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=directory)
+            os.close(directory)
+            directory = inner
+        return os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=directory)
+    finally:
+        os.close(directory)
+
+
+def open_regular(path: Path, *, follow: bool = True, below: Path | None = None) -> IO[bytes]:
+    """``path`` opened for reading, when it is (or, with ``follow``, links to) a regular file.
+
+    With ``follow=False`` no component from ``below`` (default: the file's directory) down
+    may be a symlink.
 
     Raises:
-        OSError: it is missing, unreadable, a directory, a FIFO or a device; opening never
-            blocks (a FIFO would wait for a writer, ``/dev/zero`` never ends).
+        OSError: it is missing, unreadable, a directory, a FIFO or a device (or a symlink,
+            ``errno.ELOOP``); opening never blocks (a FIFO would wait for a writer,
+            ``/dev/zero`` never ends).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if follow:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    else:
+        fd = _open_below(path, below if below is not None else path.parent)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
@@ -57,14 +79,14 @@ def open_regular(path: Path) -> IO[bytes]:
         raise
 
 
-def read_json(path: Path, limit: int = _MAX_JSON_BYTES) -> Any:
+def read_json(path: Path, limit: int = _MAX_JSON_BYTES, *, follow: bool = True) -> Any:
     """``path`` parsed as JSON.
 
     Raises:
         OSError: as :func:`open_regular`.
         ValueError: larger than ``limit`` bytes, or not JSON.
     """
-    with open_regular(path) as stream:
+    with open_regular(path, follow=follow) as stream:
         data = stream.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"{path} is larger than {limit} bytes")
@@ -91,28 +113,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None) -> None:
-    """Make ``tmp`` visible as ``final`` in one rename, then point ``latest`` at it."""
-    fsync_dir(tmp)
-    if final.exists():  # the same step saved again: swap, never leave a gap
-        old = root / f".old.{final.name}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(root)
-    write_durably(root / LATEST, final.name + "\n")
-    fsync_dir(root)
-    if keep_last is not None:
-        # only checkpoints older than this one: after a rollback, newer-numbered ones
-        # belong to an abandoned run and are left for the user to judge
-        older = [p for p in complete_steps(root) if _step_of(p) < step]
-        for old_step in older[:len(older) - (keep_last - 1)]:
-            shutil.rmtree(old_step, ignore_errors=True)
 
 
 #: the folders an engine with its own checkpoint format writes instead of DCP's files
@@ -147,29 +147,42 @@ def _is_ours(path: Path) -> bool:
     """Whether ``path`` is a complete checkpoint shardwise published under this very name:
     its ``shardwise.json`` records the name (a user's copy, ``step_00000002.bak`` or
     ``step_best``, records another one). Checkpoints from before the name was recorded
-    count when their own name is exactly ``step_NNNNNNNN``."""
-    if not path.is_dir() or not is_complete(path):
+    count when their own name is exactly ``step_NNNNNNNN``. ``.old.step_N`` (the published
+    step N moved aside by a re-save of it) counts while ``step_N`` does not exist: a crash
+    between the re-save's two renames leaves it as step N's checkpoint. A symlink never
+    counts (it may lead anywhere)."""
+    if path.is_symlink() or not path.is_dir() or not is_complete(path):
         return False
+    name = path.name
+    if name.startswith(OLD):
+        name = name.removeprefix(OLD)
+        if os.path.lexists(path.with_name(name)):
+            return False
     try:
         recorded = read_json(path / META).get("name")
     except (OSError, ValueError, AttributeError):
         return False
     if recorded is None:
-        return _STEP_NAME.fullmatch(path.name) is not None
-    return bool(recorded == path.name)
+        return _STEP_NAME.fullmatch(name) is not None
+    return bool(recorded == name)
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The step a checkpoint directory's name says (``step_N``, ``.old.step_N``), or -1."""
     try:
-        return int(path.name.removeprefix("step_"))
+        return int(path.name.removeprefix(OLD).removeprefix("step_"))
     except ValueError:
         return -1
 
 
+def _published(root: Path) -> list[Path]:
+    return [*root.glob("step_*"), *root.glob(OLD + "step_*")]
+
+
 def complete_steps(root: Path) -> list[Path]:
     """The checkpoints shardwise published in ``root``, oldest step first."""
-    steps = [p for p in root.glob("step_*") if _is_ours(p)]
-    return sorted(steps, key=_step_of)
+    steps = [p for p in _published(root) if _is_ours(p)]
+    return sorted(steps, key=step_of)
 
 
 def candidates(root: Path) -> Iterator[Path]:
@@ -179,14 +192,15 @@ def candidates(root: Path) -> Iterator[Path]:
     marked = _marked(root)
     if marked is not None:
         yield marked
-    for path in sorted(root.glob("step_*"), key=_step_of, reverse=True):
+    for path in sorted(_published(root), key=step_of, reverse=True):
         if path != marked and _is_ours(path):
             yield path
 
 
 def _marked(root: Path) -> Path | None:
     """The checkpoint ``root/latest`` names, if the marker is intact, names a checkpoint
-    directly in ``root`` and that checkpoint is complete; else None (with a warning)."""
+    directly in ``root`` and that checkpoint is complete (or, mid re-save, its ``.old.``
+    copy is); else None (with a warning)."""
     marker = root / LATEST
     if not marker.is_file():
         return None
@@ -197,11 +211,13 @@ def _marked(root: Path) -> Path | None:
         log.warning("ignoring the damaged marker %s (%s); using the newest complete "
                     "checkpoint", marker, exc)
         return None
-    if _STEP_NAME.fullmatch(name) is None or not _is_ours(root / name):
-        log.warning("ignoring the marker %s: it names %r, not a complete checkpoint in %s; "
-                    "using the newest complete one", marker, name[:40], root)
-        return None
-    return root / name
+    if _STEP_NAME.fullmatch(name) is not None:
+        for path in (root / name, root / (OLD + name)):
+            if _is_ours(path):
+                return path
+    log.warning("ignoring the marker %s: it names %r, not a complete checkpoint in %s; "
+                "using the newest complete one", marker, name[:40], root)
+    return None
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:

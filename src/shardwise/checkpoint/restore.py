@@ -35,14 +35,14 @@ from shardwise.checkpoint.layout import (
 )
 from shardwise.data import DeviceLoader
 from shardwise.distributed import all_agree, joined
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, DataError
 from shardwise.state import TrainState
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.safe_reader import SafeReader
 
-__all__ = ["dcp_quietly", "intact", "read_meta", "read_rng", "load_own", "load_dcp",
-           "position_loader"]
+__all__ = ["check_tensors", "dcp_quietly", "intact", "read_meta", "read_rng", "load_own", "load_dcp",
+           "plan_position", "position_loader"]
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,9 @@ def _flat_shapes(target: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _check_fits(path: Path, reader: SafeReader, target: dict[str, Any],
-                partial_optimizer: bool) -> None:
-    """Raise, listing missing and unexpected keys and shape mismatches, unless it fits.
+def _fit_problems(reader: SafeReader, target: dict[str, Any], partial_optimizer: bool
+                  ) -> list[str]:
+    """Missing and unexpected keys and shape mismatches, in one line; [] when it fits.
 
     With ``partial_optimizer`` (ZeRO-1, or a bundle without an optimizer, e.g. for
     evaluation) optimizer keys this rank does not load are expected.
@@ -103,14 +103,28 @@ def _check_fits(path: Path, reader: SafeReader, target: dict[str, Any],
                         if not (partial_optimizer and k.startswith("optimizer.")))
     shapes = [f"{k}: checkpoint {saved[k]}, model {wanted[k]}"
               for k in sorted(set(saved) & set(wanted)) if saved[k] != wanted[k]]
-    if missing or unexpected or shapes:
-        def show(items: list[str]) -> str:
-            return ", ".join(items[:20]) + (f" (+{len(items) - 20} more)" if len(items) > 20 else "")
+    if not (missing or unexpected or shapes):
+        return []
 
-        raise CheckpointError(
-            f"checkpoint {path} does not fit this model/optimizer: missing keys "
-            f"[{show(missing)}]; unexpected keys [{show(unexpected)}]; shape mismatches "
-            f"[{show(shapes)}]")
+    def show(items: list[str]) -> str:
+        return ", ".join(items[:20]) + (f" (+{len(items) - 20} more)" if len(items) > 20 else "")
+
+    return [f"model/optimizer tensors: missing keys [{show(missing)}]; unexpected keys "
+            f"[{show(unexpected)}]; shape mismatches [{show(shapes)}]"]
+
+
+def check_tensors(path: Path, bundle: Bundle, optimizer: torch.optim.Optimizer | None
+                  ) -> list[str]:
+    """How the checkpoint's tensors (DCP's metadata) differ from the bundle's model and
+    ``optimizer`` in keys and shapes; [] when they fit, or for an engine's own format."""
+    from shardwise.checkpoint.safe_reader import SafeReader
+
+    engine = bundle.engine
+    if engine.own_checkpoint is not None:
+        return []
+    model_sd, tensors, _ = engine.state_dicts(bundle.model, optimizer)
+    return _fit_problems(SafeReader(path), {"model": model_sd, "optimizer": tensors},
+                         engine.partial_optimizer or optimizer is None)
 
 
 def load_own(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
@@ -139,8 +153,10 @@ def load_own(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
         raise CheckpointError(problem or f"loading {path} failed on another rank")
 
 
-def load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
-    """The model and optimizer tensors of a DCP checkpoint, all or nothing."""
+def load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any],
+             optimizer: torch.optim.Optimizer | None) -> None:
+    """The model and ``optimizer``'s tensors (None: the model's only) of a DCP checkpoint,
+    all or nothing."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -148,12 +164,13 @@ def load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
 
     reader = SafeReader(path)
     engine = bundle.engine
-    model_sd, tensors, _ = engine.state_dicts(bundle.model, bundle.optimizer)
+    model_sd, tensors, _ = engine.state_dicts(bundle.model, optimizer)
     # read into copies: the model and optimizer change only once every tensor was read
     target = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
                       {"model": model_sd, "optimizer": tensors})
-    _check_fits(path, reader, target,
-                partial_optimizer=engine.partial_optimizer or bundle.optimizer is None)
+    problems = _fit_problems(reader, target, engine.partial_optimizer or optimizer is None)
+    if problems:  # checked before the load began; a file changed since
+        raise CheckpointError(f"checkpoint {path} does not fit this bundle: {problems[0]}")
     try:
         with dcp_quietly():
             dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(),
@@ -161,7 +178,7 @@ def load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"reading checkpoint {path} failed ({cause(exc)}); the checkpoint "
                               "is partial or corrupt; nothing was restored") from None
-    engine.load_state_dicts(bundle.model, bundle.optimizer, target, meta["optimizer"])
+    engine.load_state_dicts(bundle.model, optimizer, target, meta["optimizer"])
 
 
 def intact(root: Path, bundle: Bundle) -> Path:
@@ -218,19 +235,39 @@ def read_rng(path: Path, bundle: Bundle, meta: dict[str, Any]) -> dict[str, Any]
     return data
 
 
-def position_loader(bundle: Bundle, state: TrainState, seed: int | None) -> TrainState:
-    """Position the bundle's loader at the state's data position (the next batch of its
-    epoch; a finished epoch E is position (E + 1, 0)); the state, so normalised."""
+def plan_position(bundle: Bundle, state: TrainState, data: dict[str, Any]
+                  ) -> tuple[int, int, int]:
+    """Where the bundle's loader continues: (epoch, batch_in_epoch, global cursor), checked
+    against the loader (its seed, whether it can start mid-epoch, its dataset) and worked
+    out for this world size and batch size. Changes nothing.
+
+    Raises:
+        CheckpointError: the loader cannot continue the saved position exactly.
+    """
     loader = bundle.loader
     if not isinstance(loader, DeviceLoader):
-        return state
+        return state.epoch, state.batch_in_epoch, 0
+    seed = data.get("seed")
     if seed is not None and loader.seed is not None and seed != loader.seed:
         raise CheckpointError(
             f"the checkpoint's data order used sampler seed {seed}, this loader uses "
             f"{loader.seed}; pass distribute_data(seed={seed}) to resume the same order")
     epoch, done = state.epoch, state.batch_in_epoch
     length = loader.epoch_length()
-    if length is not None and done >= length:  # written by a release that kept (E, length)
-        epoch, done = epoch + 1, 0
-    loader.resume(epoch, done)
+    if data.get("cursor") is None and length is not None and done >= length:
+        return epoch + 1, 0, 0  # written by a release that kept (E, length)
+    try:
+        return loader.plan_resume(epoch, done, data.get("cursor"), data.get("samples"))
+    except DataError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def position_loader(bundle: Bundle, state: TrainState, position: tuple[int, int, int]
+                    ) -> TrainState:
+    """Position the bundle's loader as :func:`plan_position` said; the state, so normalised."""
+    loader = bundle.loader
+    if not isinstance(loader, DeviceLoader):
+        return state
+    epoch, done, cursor = position
+    loader.resume(epoch, done, cursor)
     return attrs.evolve(state, epoch=epoch, batch_in_epoch=done)

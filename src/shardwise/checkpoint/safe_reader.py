@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import re
+import stat
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +19,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from shardwise.errors import CheckpointError
 
-__all__ = ["SafeReader", "SafeLoadPlanner"]
+__all__ = ["SafeReader", "SafeLoadPlanner", "storage_files"]
 
 _DCP = "torch.distributed.checkpoint."
 # every global a DCP metadata file needs, as exact (module, name) pairs
@@ -31,6 +35,10 @@ _ALLOWED = {
 }
 
 
+# DCP names its storage files __{rank}_{n}.distcp; any plain name is accepted, nothing else
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
+
+
 class _Unpickler(pickle.Unpickler):
     """Allows DCP's metadata records, torch dtypes and sizes, paths and sets: nothing else."""
 
@@ -43,23 +51,72 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def _unpickled(path: Path) -> Metadata:
+    """DCP's metadata in ``path``, through the allow-list, opened through no symlink."""
+    from shardwise.checkpoint.layout import open_regular
+
+    try:
+        with open_regular(path, follow=False) as stream:
+            metadata = _Unpickler(stream).load()
+    except CheckpointError as exc:  # a name off the allow-list
+        raise CheckpointError(f"{path}: {exc}") from None
+    except Exception as exc:  # a damaged pickle fails in many ways, none of them code
+        raise CheckpointError(f"cannot read checkpoint metadata {path}: {type(exc).__name__}:"
+                              f" {str(exc)[:120]}; the checkpoint is partial or corrupt"
+                              ) from None
+    if not (isinstance(metadata, Metadata)
+            and isinstance(getattr(metadata, "state_dict_metadata", None), dict)):
+        raise CheckpointError(f"{path} does not hold DCP metadata")
+    return metadata
+
+
+def _storage_names(path: Path, metadata: Metadata) -> set[str]:
+    """The storage files ``metadata`` reads, each checked to be a plain file name in the
+    checkpoint directory: no separator, no ``..``, nothing absolute, not hidden."""
+    names: set[str] = set()
+    storage = getattr(metadata, "storage_data", None) or {}
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{path} holds storage data of type {type(storage).__name__}; "
+                              "the checkpoint is corrupt")
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not (isinstance(name, str) and _PLAIN_NAME.fullmatch(name)):
+            raise CheckpointError(
+                f"{path} names the storage file {str(name)[:80]!r}, which is not a plain file "
+                "name inside the checkpoint directory; refusing to read it (a forged or "
+                "foreign .metadata could make DCP read another checkpoint or wait on a FIFO)")
+        names.add(name)
+    return names
+
+
+def storage_files(checkpoint: Path) -> set[str]:
+    """The storage files the DCP checkpoint in ``checkpoint`` reads (its ``.metadata``).
+
+    Raises:
+        CheckpointError: the metadata is unreadable, off the allow-list, or names a file
+            outside the directory.
+    """
+    path = checkpoint / ".metadata"
+    return _storage_names(path, _unpickled(path))
+
+
 class SafeReader(FileSystemReader):
     """Reads a DCP checkpoint, unpickling its metadata with an allow-list."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        try:
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = _Unpickler(stream).load()
-        except CheckpointError as exc:  # a name off the allow-list
-            raise CheckpointError(f"{path}: {exc}") from None
-        except Exception as exc:  # a damaged pickle fails in many ways, none of them code
-            raise CheckpointError(f"cannot read checkpoint metadata {path}: {type(exc).__name__}:"
-                                  f" {str(exc)[:120]}; the checkpoint is partial or corrupt"
-                                  ) from None
-        if not (isinstance(metadata, Metadata)
-                and isinstance(getattr(metadata, "state_dict_metadata", None), dict)):
-            raise CheckpointError(f"{path} does not hold DCP metadata")
+        """The metadata, its storage files checked to be regular files in this directory
+        (before DCP opens any of them)."""
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        metadata = _unpickled(path)
+        for name in sorted(_storage_names(path, metadata)):
+            try:
+                info = os.lstat(path.parent / name)
+            except OSError as exc:
+                raise CheckpointError(f"{path.parent / name} cannot be read "
+                                      f"({exc.strerror or exc}); the checkpoint is partial") from None
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointError(f"{path.parent / name} is not a regular file (mode "
+                                      f"{stat.filemode(info.st_mode)}); refusing to read it")
         storage_meta = getattr(metadata, "storage_meta", None)
         if not isinstance(storage_meta, StorageMeta):
             storage_meta = StorageMeta()

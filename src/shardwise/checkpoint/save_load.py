@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +23,30 @@ from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.checkpoint import background, integrity
 from shardwise.checkpoint import rng as _rng
-from shardwise.checkpoint.background import AsyncSave, cause, wait_for_saves
+from shardwise.checkpoint.background import AsyncSave, cause, describe_os_error, wait_for_saves
+from shardwise.checkpoint.compatibility import check_parts, check_skip, parts_of, refusal
 from shardwise.checkpoint.layout import (
     FORMAT,
     LATEST,
     META,
     TORCH_FORMAT,
     latest_checkpoint,
-    publish,
     rng_file,
     write_durably,
 )
+from shardwise.checkpoint.lock import RootLock, acquire
 from shardwise.checkpoint.restore import (
+    check_tensors,
     dcp_quietly,
     intact,
     load_dcp,
     load_own,
+    plan_position,
     position_loader,
     read_meta,
     read_rng,
 )
+from shardwise.checkpoint.transaction import TMP, publish, recover
 from shardwise.data import DeviceLoader
 from shardwise.distributed import all_agree, joined
 from shardwise.env import Env
@@ -105,38 +109,47 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     wait_for_saves()  # at most one in flight: the previous one is published first
     state = bundle.check(state)  # never save after a step whose check is still unread
     env, root = bundle.env, Path(directory)
-    final, tmp = root / f"step_{state.step:08d}", root / f".tmp.step_{state.step:08d}"
-    _fresh_directory(env, root, tmp)
-    own = bundle.engine.own_checkpoint  # an engine with its own format (DeepSpeed), or None
-    fresh = own is None and bundle.optimizer is not None and not bundle.optimizer.state
-    model_sd: dict[str, Any] = {}
-    tensors: dict[str, Any] = {}
-    other: dict[str, Any] = {}
-    if own is None:
-        model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
-        _refuse_code(model_sd)
-    meta = _record(bundle, state, final, own, other)
-    dcp_state = {"model": model_sd, "optimizer": tensors}
-    if not blocking:
-        return _start_async(bundle, state, root, tmp, final, keep_last, meta, fresh, dcp_state)
-    ok, problem, digests = _write(bundle, tmp, own, meta, dcp_state)
-    if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
-        bundle.optimizer.state.clear()
-    if not all_agree(env, ok):
-        raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
-                              "; the previous checkpoint is intact")
-    manifest = integrity.write_manifest(tmp, env, digests)  # a collective
-    ok, problem = True, ""
-    if env.is_main:
-        try:
-            _write_json(tmp / integrity.MANIFEST, manifest)
-            publish(root, tmp, final, state.step, keep_last)
-        except OSError as exc:
-            ok, problem = False, f"{type(exc).__name__}: {exc}"
-    if not all_agree(env, ok):  # nobody returns before the checkpoint is visible
-        raise CheckpointError(f"publishing checkpoint {final} failed ({problem}); "
-                              f"{root / LATEST} still names the previous checkpoint")
-    return final
+    final, tmp = root / f"step_{state.step:08d}", root / f"{TMP}step_{state.step:08d}"
+    lock = _begin(env, root, tmp)  # rank 0 holds the root's lock until published (or failed)
+    try:
+        own = bundle.engine.own_checkpoint  # an engine with its own format (DeepSpeed), or None
+        fresh = own is None and bundle.optimizer is not None and not bundle.optimizer.state
+        model_sd: dict[str, Any] = {}
+        tensors: dict[str, Any] = {}
+        other: dict[str, Any] = {}
+        if own is None:
+            model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
+            _refuse_code(model_sd)
+        meta = _record(bundle, state, final, own, other)
+        dcp_state = {"model": model_sd, "optimizer": tensors}
+        if not blocking:
+            handle = _start_async(bundle, state, root, tmp, final, keep_last, meta, fresh,
+                                  dcp_state, lock)
+            lock = None  # the background thread releases it once the save has ended
+            return handle
+        ok, problem, written = _write(bundle, tmp, own, meta, dcp_state)
+        if fresh and bundle.optimizer is not None:  # get_state_dict made state to save: undo it
+            bundle.optimizer.state.clear()
+        if not all_agree(env, ok):
+            raise CheckpointError(f"writing checkpoint {final} failed "
+                                  f"({problem or 'on another rank'}); the previous checkpoint "
+                                  "is intact")
+        every = integrity.gather_written(env, written)  # a collective
+        ok, problem = True, ""
+        if env.is_main:
+            try:
+                manifest, sizes = integrity.manifest_of(tmp, env.world_size, every, own)
+                _write_json(tmp / integrity.MANIFEST, manifest)
+                publish(root, tmp, final, state.step, keep_last, sizes)
+            except OSError as exc:
+                ok, problem = False, describe_os_error(exc)
+        if not all_agree(env, ok):  # nobody returns before the checkpoint is visible
+            raise CheckpointError(f"publishing checkpoint {final} failed ({problem}); "
+                                  f"{root / LATEST} still names the previous checkpoint")
+        return final
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _check_save(bundle: Bundle, state: TrainState, keep_last: Any, blocking: Any) -> None:
@@ -157,20 +170,25 @@ def _check_save(bundle: Bundle, state: TrainState, keep_last: Any, blocking: Any
                             "blocking=True")
 
 
-def _fresh_directory(env: Env, root: Path, tmp: Path) -> None:
-    """Rank 0 makes the hidden directory the ranks write into (clearing what interrupted saves
-    left); every rank learns whether it could."""
-    ok, problem = True, ""
+def _begin(env: Env, root: Path, tmp: Path) -> RootLock | None:
+    """Rank 0 takes the root's writer lock, puts back or clears what interrupted saves left,
+    and makes the hidden directory the ranks write into; every rank learns whether it could.
+    The lock on rank 0 (None elsewhere)."""
+    ok, problem, lock = True, "", None
     if env.is_main:
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            for debris in (*root.glob(".tmp.step_*"), *root.glob(".old.step_*")):
-                shutil.rmtree(debris, ignore_errors=True)  # left by interrupted saves
+            lock = acquire(root)
+            recover(root)
             tmp.mkdir()
-        except OSError as exc:
-            ok, problem = False, str(exc)
+        except (OSError, CheckpointError) as exc:
+            ok, problem = False, str(exc) if isinstance(exc, CheckpointError) \
+                else describe_os_error(exc)
     if not all_agree(env, ok):
-        raise CheckpointError(f"cannot create checkpoint directory {tmp}: {problem or 'on rank 0'}")
+        if lock is not None:
+            lock.release()
+        raise CheckpointError(f"cannot create checkpoint directory {tmp}: "
+                              f"{problem or 'failed on rank 0'}")
+    return lock
 
 
 def _record(bundle: Bundle, state: TrainState, final: Path, own: str | None,
@@ -180,6 +198,7 @@ def _record(bundle: Bundle, state: TrainState, final: Path, own: str | None,
             "engine": own or TORCH_FORMAT,
             "train_state": state.to_dict(),
             "world_size": bundle.env.world_size,
+            "parts": parts_of(bundle),
             "data": _data_position(bundle, state),
             "optimizer": plain(other, "the optimizer's hyperparameters"),
             "scheduler": plain(bundle.scheduler.state_dict(), "the scheduler's state")
@@ -189,7 +208,7 @@ def _record(bundle: Bundle, state: TrainState, final: Path, own: str | None,
 
 
 def _write(bundle: Bundle, tmp: Path, own: str | None, meta: dict[str, Any],
-           tensors: dict[str, Any]) -> tuple[bool, str, dict[str, Any]]:
+           tensors: dict[str, Any]) -> tuple[bool, str, integrity.Written]:
     """This rank's files (DCP shards or the engine's own, RNG, and on rank 0 the record):
     whether they were written, why not, and their checksums."""
     # torch.distributed.checkpoint is imported when first used: it costs most of a second
@@ -207,12 +226,12 @@ def _write(bundle: Bundle, tmp: Path, own: str | None, meta: dict[str, Any],
         _write_small_files(tmp, env, meta)
         return True, "", integrity.digests_of(tmp, env.rank, own)
     except (Exception, CheckpointException) as exc:  # DCP's wraps the rank's OSError
-        return False, cause(exc), {}
+        return False, cause(exc, tmp), {}
 
 
 def _start_async(bundle: Bundle, state: TrainState, root: Path, tmp: Path, final: Path,
                  keep_last: int | None, meta: dict[str, Any], fresh: bool,
-                 tensors: dict[str, Any]) -> AsyncSave:
+                 tensors: dict[str, Any], lock: RootLock | None) -> AsyncSave:
     """The small files now (RNG as of this call, the record), the tensors staged to host
     memory and written in the background (:mod:`shardwise.checkpoint.background`)."""
     env = bundle.env
@@ -225,7 +244,7 @@ def _start_async(bundle: Bundle, state: TrainState, root: Path, tmp: Path, final
         raise CheckpointError(f"writing checkpoint {final} failed ({problem or 'on another rank'})"
                               "; the previous checkpoint is intact")
     with dcp_quietly():
-        handle = background.start(env, root, tmp, final, state.step, keep_last, tensors)
+        handle = background.start(env, root, tmp, final, state.step, keep_last, tensors, lock)
     if fresh and bundle.optimizer is not None:  # staged already: undo what get_state_dict made
         bundle.optimizer.state.clear()
     return handle
@@ -254,58 +273,94 @@ def _refuse_code(model_sd: dict[str, Any]) -> None:
 
 
 def _data_position(bundle: Bundle, state: TrainState) -> dict[str, Any]:
+    """The epoch, this rank's batches of it, and the global cursor into its order (with the
+    dataset's length): what a resume at any world size and batch size continues from."""
     loader = bundle.loader
-    seed = loader.seed if isinstance(loader, DeviceLoader) else None
-    return {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch, "seed": seed}
+    if not isinstance(loader, DeviceLoader):
+        return {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch, "seed": None}
+    cursor = loader.cursor(state.epoch, state.batch_in_epoch)
+    dataset = getattr(loader, "dataset", None)
+    samples = len(dataset) if cursor is not None and dataset is not None else None
+    return {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch, "seed": loader.seed,
+            "cursor": cursor, "samples": samples}
 
 
-def load(directory: str | os.PathLike[str], bundle: Bundle) -> TrainState:
+def load(directory: str | os.PathLike[str], bundle: Bundle, *,
+         skip: Iterable[str] = ()) -> TrainState:
     """Restore a checkpoint into ``bundle`` and return its :class:`TrainState`.
 
     Restores the model, optimizer, scheduler, grad scaler, each rank's RNG states and the
-    data position: the bundle's loader continues with the next batch of the saved epoch.
+    data position: the bundle's loader continues with the next sample of the saved epoch,
+    also at another world size or batch size (a global cursor into the epoch's order).
     The checkpoint may come from another world size or layout (shard, replicate, one
-    process); DCP reshards it. Every rank must call it.
+    process); DCP reshards it. Every rank must call it. All or nothing: every check runs
+    before anything changes, and gradients left from an unfinished window are cleared.
 
     Args:
         directory: a ``step_*`` directory, or the parent (then its newest complete one).
         bundle: a bundle built the same way as the one saved (any world size).
+        skip: parts changed on purpose, neither checked nor loaded: ``"optimizer"``,
+            ``"scheduler"``, ``"scaler"``, ``"rng"``.
 
     Raises:
         CheckpointError: no complete checkpoint, a partial or corrupt one, or one that does
-            not fit the model (missing/unexpected keys and shape mismatches are listed).
+            not fit the bundle (keys and shapes, optimizer and scheduler classes, parameter
+            groups, scaler, sampler seed, dataset, data position); nothing was changed.
+        ArgumentError: ``skip`` names something else.
 
     Example:
         >>> state = sw.load("checkpoints", bundle)
+        >>> state = sw.load("checkpoints", bundle, skip=("optimizer", "scheduler"))
     """
+    skipped = check_skip(skip, bundle.engine.own_checkpoint)
     wait_for_saves()  # a checkpoint being written is published (or failed) first
     path = intact(Path(directory), bundle)
-    ok, problem, meta, state, rng = True, "", {}, TrainState(), None
-    try:  # everything JSON is read and checked on every rank before anything is changed
+    meta, state, rng, position = _checked(path, bundle, skipped)
+    optimizer = None if "optimizer" in skipped else bundle.optimizer
+    if bundle.engine.own_checkpoint is not None:
+        load_own(path, bundle, meta)
+    else:
+        load_dcp(path, bundle, meta, optimizer)
+    if bundle.scheduler is not None and meta.get("scheduler") is not None \
+            and "scheduler" not in skipped:
+        bundle.scheduler.load_state_dict(meta["scheduler"])
+    if bundle.scaler is not None and meta.get("scaler") is not None and "scaler" not in skipped:
+        bundle.scaler.load_state_dict(meta["scaler"])
+    if rng is not None:
+        _rng.restore(rng)
+    for param in bundle.model.parameters():  # a window cut short: its gradients do not carry
+        param.grad = None
+    return position_loader(bundle, state, position)
+
+
+def _checked(path: Path, bundle: Bundle, skipped: frozenset[str]
+             ) -> tuple[dict[str, Any], TrainState, dict[str, Any] | None, tuple[int, int, int]]:
+    """Everything a load reads and checks before it changes anything, agreed by every rank:
+    the record, the state, this rank's RNG, the parts and the data position."""
+    ok, problem = True, ""
+    meta: dict[str, Any] = {}
+    state, rng, position = TrainState(), None, (0, 0, 0)
+    try:
         meta = read_meta(path)
         state = TrainState.from_dict(meta["train_state"])
-        rng = read_rng(path, bundle, meta)
-    except (CheckpointError, KeyError, TypeError, ValueError) as exc:
+        saved, mine = meta.get("engine", TORCH_FORMAT), bundle.engine.own_checkpoint or TORCH_FORMAT
+        if saved != mine:
+            raise CheckpointError(f"{path} was written by the {saved} engine, this bundle runs "
+                                  f"the {mine} engine; load it into a bundle built the same way")
+        problems = check_tensors(path, bundle, None if "optimizer" in skipped
+                                 else bundle.optimizer)
+        problems += check_parts(path, meta, bundle, skipped)
+        try:
+            position = plan_position(bundle, state, meta["data"])
+        except CheckpointError as exc:
+            problems.append(str(exc))
+        if problems:
+            raise refusal(path, problems)
+        rng = None if "rng" in skipped else read_rng(path, bundle, meta)
+    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError) as exc:
         ok, problem = False, str(exc) if isinstance(exc, CheckpointError) else \
             f"{path / META} is malformed ({type(exc).__name__}: {exc})"
     if not all_agree(bundle.env, ok):
         raise CheckpointError(problem or f"loading {path} failed on another rank; nothing "
                               "was restored")
-    engine = bundle.engine
-    saved, mine = meta.get("engine", TORCH_FORMAT), engine.own_checkpoint or TORCH_FORMAT
-    if saved != mine:
-        raise CheckpointError(f"{path} was written by the {saved} engine, this bundle runs the "
-                              f"{mine} engine; load it into a bundle built the same way")
-    if engine.own_checkpoint is not None:
-        load_own(path, bundle, meta)
-    else:
-        load_dcp(path, bundle, meta)
-    if bundle.scheduler is not None and meta.get("scheduler") is not None:
-        bundle.scheduler.load_state_dict(meta["scheduler"])
-    if bundle.scaler is not None and meta.get("scaler") is not None:
-        bundle.scaler.load_state_dict(meta["scaler"])
-    if rng is not None:
-        _rng.restore(rng)
-    return position_loader(bundle, state, meta["data"].get("seed"))
-
-
+    return meta, state, rng, position

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from shardwise._config_source import Source
+from shardwise._config_source import Source, short
 from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.base import Stage, Transform
@@ -36,6 +36,27 @@ _REFUSED = {
                "has no sharding strategy), which shardwise cannot test; save activations with "
                "checkpoint_activations, or split layers with tp_size)",
     "sp_size": "1 (sequence parallelism (DeepSpeed Ulysses) is not supported)"}
+
+
+def _spellings(src: Source, block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The block's set values by bare key (no ``parallelism_config_`` prefix; null is unset).
+    Both spellings are read, as Accelerate's YAML accepts both; the same key given with and
+    without the prefix, with different values, is refused naming both as written (rather than
+    one silently winning), as the FSDP keys' two spellings are (``configs.fsdp``)."""
+    place = where.removesuffix(PREFIX)  # the block's dotted path, e.g. "parallelism_config."
+    plain: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for key, value in block.items():
+        bare = str(key).removeprefix(PREFIX)
+        if value is None:
+            continue
+        if bare in plain and not (type(plain[bare]) is type(value) and plain[bare] == value):
+            raise ConfigError(f"{src.origin}: {spelled[bare]}={short(plain[bare])} and "
+                              f"{place}{key}={short(value)} contradict each other (the same "
+                              f"setting, with and without the {PREFIX} prefix); keep one")
+        plain.setdefault(bare, value)
+        spelled.setdefault(bare, f"{place}{key}")
+    return plain
 
 
 def _sizes(src: Source, block: Mapping[str, Any], where: str) -> dict[str, int]:
@@ -67,8 +88,7 @@ def _check_world(src: Source, sizes: dict[str, int], env: Env, where: str) -> No
 def asks_for_mesh(src: Source, block: Mapping[str, Any],
                   where: str = f"parallelism_config.{PREFIX}") -> bool:
     """Whether ``block`` asks for more than one rank in some dimension (sizes checked)."""
-    plain = {str(k).removeprefix(PREFIX): v for k, v in block.items()}
-    return any(size > 1 for size in _sizes(src, plain, where).values())
+    return any(size > 1 for size in _sizes(src, _spellings(src, block, where), where).values())
 
 
 def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Transform],
@@ -80,13 +100,14 @@ def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Tr
     (a ``ParallelismConfig`` object's fields); ``where`` is how a key is named in messages.
 
     Raises:
-        ConfigError: a size that is not a positive integer, context or sequence parallelism,
+        ConfigError: a key given with and without the prefix with different values, a size
+            that is not a positive integer, context or sequence parallelism,
             sizes that do not multiply to the world size, a replicate size other than the
             number of nodes, or NO_SHARD with a shard size, naming the keys.
     """
-    plain = {str(k).removeprefix(PREFIX): v for k, v in block.items()}
-    src.check_keys({f"{where}{k}": k for k in plain}, {f"{where}{k}" for k in KEYS})
-    sizes = _sizes(src, plain, where)
+    src.check_keys({f"{where}{str(k).removeprefix(PREFIX)}": k for k in block},
+                   {f"{where}{k}" for k in KEYS})
+    sizes = _sizes(src, _spellings(src, block, where), where)
     if all(size == 1 for size in sizes.values()):
         return given  # nothing asked: what the launcher writes when the block is unused
     _check_world(src, sizes, env, where)

@@ -4,7 +4,12 @@ before FSDP2/DDP)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import re
+import sys
+from collections.abc import Mapping
+from types import FrameType
 from typing import Any, ClassVar
 
 import attrs
@@ -38,11 +43,103 @@ def _backend(instance: Any, attribute: Any, value: Any) -> None:
                             f"'inductor', 'aot_eager' or 'eager' (got {short(value)})")
 
 
+#: backends torch lists whose package is imported only when they first compile: the packages
+_PACKAGES = {"tvm": ("tvm",), "openxla": ("torch_xla",), "openxla_eval": ("torch_xla",),
+             "onnxrt": ("onnxruntime", "onnx", "onnxscript"), "tensorrt": ("torch_tensorrt",),
+             "torch_tensorrt": ("torch_tensorrt",), "ipex": ("intel_extension_for_pytorch",)}
+
+
 def backends() -> list[str]:
     """The backends torch.compile knows here (importing torch._dynamo: about a second)."""
     import torch._dynamo
 
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def unusable(backend: str) -> str | None:
+    """Why a backend torch lists cannot compile here (None: it can). torch lists a backend
+    whose package is missing (``tvm``, ``openxla``, ...) and fails only at the first forward;
+    an entry-point backend whose package is broken fails when it is looked up."""
+    import torch._dynamo
+
+    missing = [name for name in _PACKAGES.get(backend, ()) if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"its package {', '.join(missing)} is not installed"
+    try:
+        torch._dynamo.lookup_backend(backend)
+    except Exception as exc:  # a plugin's own import error, whatever its type
+        return f"it fails to load ({type(exc).__name__}: {short(str(exc))})"
+    return None
+
+
+def _usable(known: list[str]) -> list[str]:
+    """The backends of ``known`` that compile here (torch's own test-only ones left out)."""
+    return [b for b in known if not b.endswith("_TESTING_ONLY") and unusable(b) is None]
+
+
+def _region(scope: Any) -> nn.Module | None:
+    """The region ``compile`` marked that a compiled frame's locals belong to: their ``self``,
+    or the module of a bound method among them (a checkpointed block's frame is
+    ``_checkpointed(forward, ...)``); None when none is one of shardwise's regions."""
+    if not isinstance(scope, Mapping):
+        return None
+    for value in (scope.get("self"), *scope.values()):
+        module = getattr(value, "__self__", value)
+        if isinstance(module, nn.Module) and isinstance(getattr(module, _MARK, None), str):
+            return module
+    return None
+
+
+def _compiling_region() -> nn.Module | None:
+    """The region torch is compiling now, called from within torch's logging below its
+    ``_compile(code, globals, locals, ..., frame)``; None when it is not one of shardwise's."""
+    caller: FrameType | None = sys._getframe(1)
+    for _ in range(64):  # torch's compile call is a few frames above its logging calls
+        if caller is None:
+            return None
+        seen = caller.f_locals
+        for scope in (seen.get("locals"), getattr(seen.get("frame"), "f_locals", None)):
+            module = _region(scope)
+            if module is not None:
+                return module
+        caller = caller.f_back
+    return None
+
+
+class _RecompileLimitWatch(logging.Handler):
+    """For the ``torch._dynamo`` logger: re-states torch's warning that a compiled frame hit
+    the recompile limit naming the block, and what happens next; torch's message still goes
+    where it went."""
+
+    _HIT = re.compile(r"hit config\.(\w+) \((\d+)\)")
+    _REASON = re.compile(r"last reason: (.*)")
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        hit = self._HIT.search(text)
+        module = _compiling_region() if hit else None
+        if hit is None or module is None:
+            return
+        reason = self._REASON.search(text)
+        guard = reason.group(1).strip() if reason else "not reported by torch"
+        log.warning("compile(): %s (%s) hit torch's recompile limit (torch._dynamo.config.%s="
+                    "%s); the guard that changed: %s. From now on torch compiles no new graph "
+                    "for its code (which identical blocks share) and runs it eagerly whenever "
+                    "none of its compiled graphs fits (with fullgraph=True it raises instead). "
+                    "Keep that input steady (pad to fixed shapes), pass compile(dynamic=True) "
+                    "for changing sizes, or raise the limit",
+                    getattr(module, _MARK) or "the model", type(module).__name__,
+                    hit.group(1), hit.group(2), guard)
+
+
+def _watch_recompile_limit() -> None:
+    """Adds the watch to the ``torch._dynamo`` logger once per process (loggers are global)."""
+    dynamo = logging.getLogger("torch._dynamo")
+    if not any(isinstance(h, _RecompileLimitWatch) for h in dynamo.handlers):
+        dynamo.addHandler(_RecompileLimitWatch())
 
 
 def _no_training_cache(model: nn.Module) -> None:
@@ -92,11 +189,17 @@ class Compile(Transform):
     factory_name: ClassVar[str] = "compile"
 
     def check(self, env: Env) -> None:
-        """Raises ArgumentError for a backend torch.compile does not know here."""
+        """Raises ArgumentError for a backend torch.compile does not know here, or one it
+        lists whose package is missing (it would fail only at the first forward)."""
         known = backends()
         if self.backend not in known:
             raise ArgumentError(f"compile() 'backend' {self.backend!r} is not a torch.compile "
                                 f"backend here; accepted: {', '.join(known)}")
+        why = unusable(self.backend)
+        if why is not None:
+            raise ArgumentError(f"compile() 'backend' {self.backend!r} cannot compile here: "
+                                f"{why}; backends that work here: {', '.join(_usable(known))}; "
+                                "install its package, or choose one of those")
 
     def excludes(self) -> dict[str, str]:
         out = {"deepspeed": "DeepSpeed's engine wraps and drives the model itself; shardwise "
@@ -124,12 +227,13 @@ class Compile(Transform):
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         _no_training_cache(bundle.model)
+        _watch_recompile_limit()
         for name, module in self.regions(bundle.model):
-            if getattr(module, _MARK, False):
+            if getattr(module, _MARK, None) is not None:
                 raise ConflictError(f"{self!r}: {name or 'the model'} ({type(module).__name__}) "
                                     "is compiled already")
             module.compile(**self.options())  # in place: names and the module tree unchanged
-            setattr(module, _MARK, True)
+            setattr(module, _MARK, name)  # the region's name, for the recompile-limit warning
         return bundle
 
     def describe(self, env: Env) -> str:

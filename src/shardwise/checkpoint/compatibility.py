@@ -1,0 +1,132 @@
+# What a checkpoint must share with the bundle it is loaded into, checked before anything changes.
+"""The parts of a bundle a checkpoint records (optimizer class and parameter groups,
+scheduler class, grad scaler) and the check that a bundle has the same, so that a load
+refuses a mismatch by name before the first tensor, generator or counter changes.
+
+``skip`` names the parts a user changed on purpose (torchtitan's ``exclude_from_loading``):
+those are neither checked nor loaded, and keep what the bundle has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from shardwise._text import short
+from shardwise.bundle import Bundle
+from shardwise.errors import ArgumentError, CheckpointError
+
+__all__ = ["SKIPPABLE", "check_skip", "parts_of", "check_parts", "refusal"]
+
+#: what ``sw.load(..., skip=...)`` may leave out
+SKIPPABLE = ("optimizer", "scheduler", "scaler", "rng")
+
+
+def check_skip(skip: Any, own: str | None) -> frozenset[str]:
+    """``skip`` as a set of part names.
+
+    Raises:
+        ArgumentError: not an iterable of names from :data:`SKIPPABLE`, or a part an
+            engine with its own format loads as a whole.
+    """
+    if isinstance(skip, str) or not isinstance(skip, Iterable):
+        raise ArgumentError(f"load() 'skip' must be a tuple of part names from "
+                            f"{', '.join(SKIPPABLE)} (got {short(skip)})")
+    names = list(skip)
+    wrong = [n for n in names if n not in SKIPPABLE]
+    if wrong:
+        raise ArgumentError(f"load() 'skip' names {short(wrong[0])}; accepted: "
+                            f"{', '.join(SKIPPABLE)}")
+    if own is not None and "optimizer" in names:
+        raise ArgumentError(f"load(skip=('optimizer',)): the {own} engine loads model and "
+                            "optimizer from its own files as a whole; load it without skipping")
+    return frozenset(names)
+
+
+def _qualified(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def parts_of(bundle: Bundle) -> dict[str, Any]:
+    """What ``shardwise.json`` records of the bundle's parts."""
+    optimizer, scheduler = bundle.optimizer, bundle.scheduler
+    return {
+        "optimizer": None if optimizer is None else {
+            "class": _qualified(optimizer),
+            "groups": [len(group["params"]) for group in optimizer.param_groups]},
+        "scheduler": None if scheduler is None else {"class": _qualified(scheduler)},
+        "scaler": bundle.scaler is not None,
+    }
+
+
+def _optimizer(saved: dict[str, Any], mine: dict[str, Any]) -> str:
+    theirs, ours = saved.get("optimizer"), mine["optimizer"]
+    if "optimizer" in saved and theirs is None:
+        return f"optimizer: checkpoint none (no optimizer state), bundle {ours['class']}"
+    if theirs is not None and theirs.get("class") != ours["class"]:
+        return f"optimizer: checkpoint {theirs.get('class')}, bundle {ours['class']}"
+    if theirs is not None and theirs.get("groups") != ours["groups"]:
+        return (f"optimizer parameter groups (parameters in each): checkpoint "
+                f"{theirs.get('groups')}, bundle {ours['groups']}")
+    return ""
+
+
+def _named(present: bool, part: dict[str, Any] | None) -> str:
+    if part is not None:
+        return str(part.get("class"))
+    return "has one" if present else "none"
+
+
+def _scheduler(saved: dict[str, Any], meta: dict[str, Any], mine: dict[str, Any]) -> str:
+    has = meta.get("scheduler") is not None
+    theirs, ours = saved.get("scheduler"), mine["scheduler"]
+    if has != (ours is not None) or (theirs is not None and ours is not None
+                                     and theirs.get("class") != ours["class"]):
+        return f"scheduler: checkpoint {_named(has, theirs)}, bundle {_named(False, ours)}"
+    return ""
+
+
+def _mismatches(saved: dict[str, Any], meta: dict[str, Any], bundle: Bundle,
+                skip: frozenset[str]) -> list[str]:
+    mine = parts_of(bundle)
+    problems = []
+    if "optimizer" not in skip and bundle.optimizer is not None:
+        problems.append(_optimizer(saved, mine))
+    if "scheduler" not in skip:
+        problems.append(_scheduler(saved, meta, mine))
+    saved_scaler = meta.get("scaler") is not None
+    if "scaler" not in skip and saved_scaler != mine["scaler"]:
+        problems.append(f"grad scaler (fp16): checkpoint {_named(saved_scaler, None)}, bundle "
+                        f"{_named(mine['scaler'], None)}")
+    return [p for p in problems if p]
+
+
+def check_parts(path: Any, meta: dict[str, Any], bundle: Bundle, skip: frozenset[str]
+                ) -> list[str]:
+    """How the bundle's optimizer, scheduler and scaler differ from those the checkpoint
+    holds (parts in ``skip`` excepted), each naming both sides; [] when they fit. A bundle
+    without an optimizer (evaluation) loads the model only, so nothing else is compared.
+    Checkpoints recorded before the classes were say only whether a scheduler and a scaler
+    existed; that much is still compared.
+
+    Raises:
+        CheckpointError: the record's ``parts`` is not a record.
+    """
+    saved = meta.get("parts")
+    if saved is not None and not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: the record's 'parts' is a {type(saved).__name__}, not a "
+                              "record; the checkpoint is corrupt")
+    if bundle.optimizer is None:
+        return []
+    return _mismatches(saved or {}, meta, bundle, skip)
+
+
+def refusal(path: Any, problems: list[str]) -> CheckpointError:
+    """The error for a checkpoint that does not fit: every mismatch, and how to go on."""
+    named = [p for p in SKIPPABLE if any(q.startswith(p) or f" {p}" in q for q in problems)]
+    hint = (" or, if you changed a part on purpose, load the rest with sw.load(..., skip=("
+            + ", ".join(repr(p) for p in named) + ",))") if named else ""
+    return CheckpointError(f"checkpoint {path} does not fit this bundle: {'; '.join(problems)}. "
+                           f"Nothing was loaded. Build the bundle as it was saved{',' if hint else ''}"
+                           f"{hint}")

@@ -1,0 +1,98 @@
+# A save as a transaction on the root: recover what a crash left, verify, publish in renames, prune last.
+"""The file operations of publishing a checkpoint, each leaving the root loadable.
+
+Run by the one writer that holds the root's lock (:mod:`shardwise.checkpoint.lock`):
+
+- :func:`recover` before a save: a ``.old.step_N`` (a re-save of step N killed between its
+  two renames) goes back to ``step_N`` when that is missing, or is removed when ``step_N``
+  was published; hidden ``.tmp.step_*`` (never published, never returned by ``sw.save``) and
+  ``.trash.*`` (being deleted) are removed.
+- :func:`publish`: the new files verified against what the ranks reported writing, then
+  ``step_N`` moved aside to ``.old.step_N`` if it exists, ``.tmp.step_N`` renamed to
+  ``step_N``, ``latest`` replaced, the old copy and then ``keep_last``'s surplus deleted.
+  Between any two of these a checkpoint of step N loads: ``sw.load`` and
+  ``sw.latest_checkpoint`` take ``.old.step_N`` for step N while ``step_N`` is missing.
+- A directory is deleted by renaming it to ``.trash.*`` first, so a crash mid-delete never
+  leaves a half-deleted checkpoint under a published name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import uuid
+from pathlib import Path
+
+from shardwise.checkpoint.layout import (
+    LATEST,
+    OLD,
+    complete_steps,
+    fsync_dir,
+    step_of,
+    write_durably,
+)
+
+__all__ = ["TMP", "TRASH", "recover", "publish", "retire", "check_written"]
+
+TMP = ".tmp."
+TRASH = ".trash."
+
+
+def retire(path: Path) -> None:
+    """Delete the directory ``path``: one rename out of the published names, then the files."""
+    trash = path.with_name(f"{TRASH}{path.name}.{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def recover(root: Path) -> None:
+    """Put back or clear what interrupted saves left in ``root`` (the writer's lock held)."""
+    for old in root.glob(OLD + "step_*"):
+        if old.is_symlink():
+            continue
+        published = old.with_name(old.name.removeprefix(OLD))
+        if os.path.lexists(published):
+            retire(old)  # the re-save was published: this is the copy it replaced
+        else:
+            os.rename(old, published)  # killed between the two renames: the old one returns
+    for debris in (*root.glob(TMP + "step_*"), *root.glob(TRASH + "*")):
+        if debris.is_dir() and not debris.is_symlink():
+            shutil.rmtree(debris, ignore_errors=True)
+        else:
+            debris.unlink(missing_ok=True)
+    fsync_dir(root)
+
+
+def check_written(tmp: Path, sizes: dict[str, int]) -> None:
+    """Raise ``OSError`` unless every file the ranks reported is in ``tmp``, a regular file
+    of the reported size (a file lost or cut short since it was hashed)."""
+    for name, size in sorted(sizes.items()):
+        info = os.lstat(tmp / name)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            raise OSError(f"{tmp / name} is not the {size}-byte file that was written "
+                          f"(now {info.st_size} bytes, mode {stat.filemode(info.st_mode)})")
+
+
+def publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None,
+            sizes: dict[str, int]) -> None:
+    """Verify ``tmp`` and make it visible as ``final``, point ``latest`` at it, then prune."""
+    check_written(tmp, sizes)
+    fsync_dir(tmp)
+    old = final.with_name(OLD + final.name)
+    replacing = final.exists()
+    if replacing:  # the same step saved again: set the published one aside, never delete first
+        os.rename(final, old)
+        fsync_dir(root)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    write_durably(root / LATEST, final.name + "\n")
+    fsync_dir(root)
+    if replacing:
+        retire(old)
+    if keep_last is not None:
+        # only checkpoints older than this one: after a rollback, newer-numbered ones
+        # belong to an abandoned run and are left for the user to judge
+        older = [p for p in complete_steps(root) if step_of(p) < step]
+        for old_step in older[:len(older) - (keep_last - 1)]:
+            retire(old_step)

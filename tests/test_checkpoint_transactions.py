@@ -1,0 +1,307 @@
+# Checkpoints as transactions: one writer per root, crash at every file operation, forged metadata.
+import builtins
+import io
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.checkpoint import integrity, lock
+from shardwise.errors import CheckpointError
+
+from conftest import build_lm, train_for
+
+# -- one writer per root ------------------------------------------------------------------
+
+WRITER = textwrap.dedent("""
+    import json, sys
+    import torch
+    import shardwise as sw
+    from shardwise.testing import TinyMLP
+    root, first, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.manual_seed(first)
+    model = TinyMLP()
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state = bundle.init()
+    returned = []
+    for i in range(count):
+        state, _ = bundle.step(state, (torch.randn(4, 8), torch.randn(4, 1)))
+        state = state.__class__(**{**state.to_dict(), "step": first + i})
+        path = sw.save(root, bundle, state, keep_last=None)
+        returned.append([str(path), {k: v.tolist() for k, v in model.state_dict().items()}])
+    print(json.dumps(returned))
+""")
+
+
+def test_two_jobs_saving_to_one_root_publish_only_checkpoints_that_load(tmp_path):
+    root = tmp_path / "shared"
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    jobs = [subprocess.Popen([sys.executable, str(script), str(root), str(first), "16"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for first in (100, 200)]
+    outputs = [job.communicate(timeout=240) for job in jobs]
+    assert all(job.returncode == 0 for job in jobs), [err[-2000:] for _, err in outputs]
+    returned = [item for out, _ in outputs for item in json.loads(out)]
+    assert len(returned) == 32
+    torch.manual_seed(0)
+    model = sw.testing.TinyMLP()
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for path, weights in returned:
+        state = sw.load(path, bundle)
+        assert state.step == int(path.rsplit("_", 1)[1])
+        for name, value in model.state_dict().items():
+            assert value.tolist() == weights[name], (path, name)
+    assert not list(root.glob(".tmp.*")) and not list(root.glob(".old.*"))
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from shardwise.checkpoint import lock
+    held = lock.acquire(Path(sys.argv[1]))
+    print("held", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_second_writer_waits_then_is_refused_naming_the_holder_and_a_dead_holder_frees_it(
+        tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match=rf"pid {holder.pid} on host "
+                                                   rf"{socket.gethostname()}.*within 0.5 s"):
+            lock.acquire(root, wait=0.5)
+        assert time.monotonic() - started >= 0.5
+        bundle = build_lm([], accumulate=1)
+        state, _ = train_for(bundle, bundle.init(), 1)
+        monkeypatch.setattr(lock, "WAIT_SECONDS", 0.3)
+        with pytest.raises(CheckpointError, match=rf"pid {holder.pid}"):
+            sw.save(root, bundle, state)
+        assert not list(root.glob("*step*"))  # nothing was touched while refused
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the kernel released the dead holder's lock: no stale lock to clear by hand
+    assert sw.save(root, bundle, state).name == "step_00000001"
+
+
+def test_two_bundles_of_one_process_take_turns(tmp_path):
+    root = tmp_path / "root"
+    first = lock.acquire(root)
+    with pytest.raises(CheckpointError, match=rf"pid {os.getpid()} .*this process"):
+        lock.acquire(root, wait=0.2)
+    first.release()
+    lock.acquire(root, wait=0.2).release()
+    a, b = build_lm([], accumulate=1), build_lm([], accumulate=1)
+    state_a, _ = train_for(a, a.init(), 1)
+    state_b, _ = train_for(b, b.init(), 2)
+    handle = sw.save(root, a, state_a, blocking=False)
+    path_b = sw.save(root, b, state_b)  # waits for a's save in flight, then writes
+    assert handle.result().name == "step_00000001" and path_b.name == "step_00000002"
+    assert sw.load(handle.result(), b).step == 1 and sw.load(root, a).step == 2
+
+
+# -- the manifest, forged metadata, symlinks -----------------------------------------------
+
+def saved_two(root):
+    bundle = build_lm([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+    first = sw.save(root, bundle, state)
+    state, _ = train_for(bundle, state, 1)
+    second = sw.save(root, bundle, state)
+    return bundle, state, first, second
+
+
+def fingerprint(bundle):
+    from test_checkpoint_properties import snapshot
+
+    return snapshot(bundle)
+
+
+def test_a_shard_lost_before_hashing_fails_the_save_and_keep_last_deletes_nothing(
+        tmp_path, monkeypatch):
+    bundle, state, first, second = saved_two(tmp_path)
+    digests_of = integrity.digests_of
+
+    def lose_a_shard(root, rank, own=None):
+        for shard in root.glob("__0_*.distcp"):
+            shard.unlink()
+        return digests_of(root, rank, own)
+
+    monkeypatch.setattr(integrity, "digests_of", lose_a_shard)
+    state, _ = train_for(bundle, state, 1)
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp is needed by the checkpoint but "
+                                              r"was not written.*still names the previous"):
+        sw.save(tmp_path, bundle, state, keep_last=1)
+    assert sw.latest_checkpoint(tmp_path) == second and first.is_dir()
+
+
+def forge_storage_path(checkpoint, new_name):
+    """Point every storage entry of .metadata at ``new_name`` and reseal, as a forger would."""
+    meta_path = checkpoint / ".metadata"
+    metadata = pickle.loads(meta_path.read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = new_name
+    meta_path.write_bytes(pickle.dumps(metadata))
+    manifest = json.loads((checkpoint / integrity.MANIFEST).read_text())
+    manifest["files"][".metadata"] = integrity._digest(meta_path)
+    manifest["sealed"] = integrity.sealed(manifest["files"])
+    (checkpoint / integrity.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("target", ["../../other/step_00000001/__0_0.distcp", "/dev/zero",
+                                    "fifo", "sub/__0_0.distcp"])
+def test_forged_storage_paths_are_refused_before_dcp_opens_a_file(tmp_path, target):
+    bundle, state, first, second = saved_two(tmp_path / "ckpt")
+    shutil.copytree(first, tmp_path / "other" / "step_00000001")
+    if target == "fifo":
+        os.mkfifo(second / "fifo")
+    forge_storage_path(second, target)
+    before = fingerprint(bundle)
+    opened = []
+    real_open = io.open
+
+    def watch(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    builtins.open, io.open = watch, watch
+    try:
+        with pytest.raises(CheckpointError, match="not a plain file name|names 'fifo', which"):
+            sw.load(second, bundle)
+    finally:
+        builtins.open, io.open = real_open, real_open
+    assert not any("other" in name or "fifo" in name or name == "/dev/zero" for name in opened)
+    from test_checkpoint_properties import same
+    assert same(before, fingerprint(bundle))
+    assert sw.load(tmp_path / "ckpt", bundle).step == 1  # the root falls back past it
+
+
+def test_a_symlinked_file_or_step_directory_is_never_followed(tmp_path):
+    bundle, state, first, second = saved_two(tmp_path / "ckpt")
+    (second / "__0_0.distcp").rename(tmp_path / "moved.distcp")
+    (second / "__0_0.distcp").symlink_to(tmp_path / "moved.distcp")
+    with pytest.raises(CheckpointError, match="__0_0.distcp is, or lies under, a symbolic link"):
+        sw.load(second, bundle)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "step_00000009").symlink_to(second.resolve(), target_is_directory=True)
+    (elsewhere / "latest").write_text("step_00000009\n")
+    assert sw.latest_checkpoint(elsewhere) is None
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        sw.load(elsewhere, bundle)
+
+
+# -- a kill after every file operation of a save and of a re-save ----------------------------
+
+class Killer:
+    """Counts the file operations of the code it wraps; the ``at``-th never returns."""
+
+    OS_CALLS = ("rename", "replace", "mkdir", "unlink", "rmdir", "fsync", "open", "ftruncate")
+
+    def __init__(self, at):
+        self.at, self.count = at, 0
+
+    def tick(self):
+        self.count += 1
+        if self.count == self.at:
+            os._exit(9)
+
+    def install(self):
+        for name in self.OS_CALLS:
+            real = getattr(os, name)
+
+            def wrapped(*args, _real=real, _name=name, **kwargs):
+                if _name != "open" or args[1] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                    self.tick()
+                return _real(*args, **kwargs)
+            setattr(os, name, wrapped)
+        real_open = io.open
+
+        def opened(file, mode="r", *args, **kwargs):
+            if any(c in mode for c in "wax+"):
+                self.tick()
+            return real_open(file, mode, *args, **kwargs)
+        builtins.open = io.open = opened
+
+
+def run_killed(at, work):
+    """Fork; the child runs ``work`` killed at file operation ``at``; its count of operations
+    (when it was not killed) or None."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        killer = Killer(at)
+        killer.install()
+        work()
+        os.write(write, str(killer.count).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as stream:
+        counted = stream.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) in (0, 9), status
+    return int(counted) if counted else None
+
+
+def weights(bundle):
+    return {k: v.detach().clone() for k, v in bundle.model.state_dict().items()}
+
+
+def equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("resave", [False, True], ids=["new step", "same step again"])
+def test_a_kill_after_any_file_operation_leaves_the_old_or_the_new_checkpoint(tmp_path, resave):
+    pristine = tmp_path / "pristine"
+    bundle, state, first, second = saved_two(pristine)
+    old = weights(bundle)
+    state, _ = train_for(bundle, state, 1)
+    new = weights(bundle)
+    target = state if not resave else sw.TrainState(step=2, micro_step=2, epoch=state.epoch,
+                                                    batch_in_epoch=state.batch_in_epoch)
+    root = tmp_path / "root"
+
+    def save():
+        sw.save(root, bundle, target, keep_last=1)
+
+    reference = sw.save(tmp_path / "reference", bundle, target)  # the state each child saves
+    shutil.copytree(pristine, root)
+    total = run_killed(10**9, save)
+    assert total and total > 8
+    for at in range(1, total + 1):
+        shutil.rmtree(root)
+        shutil.copytree(pristine, root)
+        sw.load(reference, bundle)
+        assert run_killed(at, save) is None
+        assert sw.latest_checkpoint(root) is not None, at
+        loaded = sw.load(root, bundle)
+        got = weights(bundle)
+        if resave:
+            assert loaded.step == 2 and (equal(got, old) or equal(got, new)), at
+        else:
+            assert (loaded.step, equal(got, old), equal(got, new)) in {
+                (2, True, False), (3, False, True)}, at
+        # the next save recovers what the kill left, instead of deleting it
+        sw.save(root, bundle, sw.TrainState(step=7, micro_step=7))
+        assert sw.load(root / f"step_{loaded.step:08d}", bundle).step == loaded.step, at
+        assert equal(weights(bundle), got), at
+        assert not [p for p in root.iterdir() if p.name.startswith((".old", ".tmp", ".trash"))]

@@ -9,8 +9,15 @@ Time lost per save: ``STEPS`` optimizer steps with a save after every ``EVERY``-
 the same steps without saves, divided by the saves (the last one waited for); rounds of the
 three alternate (none, blocking, async), the median kept.
 
+The transaction's own cost is measured on the same checkpoint: taking and giving back the
+root's writer lock, and deriving the manifest from DCP's metadata and checking every file
+against what was written (the part of a save that is new with transactions), as a share of
+the save. Then, in the same run, resuming part-way through an epoch of 1,000,000 samples at
+sample 900,000: shardwise's sampler cursor against Accelerate's ``skip_first_batches``, time
+to the first batch, with 0 and 2 workers.
+
     python benchmarks/checkpoint.py [--dim 768] [--layers 12] [--dir /tmp/sw-ckpt-bench]
-        [--rounds 2]
+        [--rounds 2] [--only positioning]
 """
 
 from __future__ import annotations
@@ -54,6 +61,58 @@ def train_with_saves(bundle: sw.Bundle, state: sw.TrainState, batch: dict[str, t
     return state, time.perf_counter() - start
 
 
+def transaction_cost(root: Path, path: Path, repeat: int = 20) -> dict[str, float]:
+    """Seconds to take and give back the root's lock, and to derive the manifest from DCP's
+    metadata and check every file's type and size (each the median of ``repeat``)."""
+    from shardwise.checkpoint import integrity, lock
+    from shardwise.checkpoint.transaction import check_written
+
+    sizes = {name: (path / name).stat().st_size for name in integrity.required(
+        path, 2, {}, None)}
+    locking, manifest = [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        lock.acquire(root).release()
+        locking.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        integrity.required(path, 2, {}, None)
+        check_written(path, sizes)
+        manifest.append(time.perf_counter() - start)
+    return {"lock_s": sorted(locking)[repeat // 2], "manifest_s": sorted(manifest)[repeat // 2]}
+
+
+class Numbers(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample i is a small tensor holding i (cheap, so the timings are the positioning's)."""
+
+    def __len__(self) -> int:
+        return 1_000_000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((16,), float(i))
+
+
+def positioning(workers: int, batch: int = 1000, at: int = 900_000) -> dict[str, float]:
+    """Seconds from a resume at sample ``at`` to its first batch: shardwise, Accelerate."""
+    from accelerate import skip_first_batches
+    from torch.utils.data import DataLoader
+
+    def loader() -> DataLoader[torch.Tensor]:
+        return DataLoader(Numbers(), batch_size=batch, shuffle=True, num_workers=workers,
+                          generator=torch.Generator().manual_seed(0))
+
+    bundle = sw.pipeline(sw.Env())(torch.nn.Linear(1, 1), None, loader())
+    start = time.perf_counter()
+    bundle.loader.resume(0, at // batch, cursor=at)
+    first = next(iter(bundle.loader))
+    ours = time.perf_counter() - start
+    start = time.perf_counter()
+    skipped = skip_first_batches(loader(), num_batches=at // batch)
+    theirs_first = next(iter(skipped))
+    theirs = time.perf_counter() - start
+    assert first.shape == theirs_first.shape == (batch, 16)
+    return {"sw": ours, "accelerate": theirs}
+
+
 def bench(dim: int, layers: int, root: str, rounds: int) -> dict[str, float]:
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=8000, dim=dim, heads=12, layers=layers, max_len=64)
@@ -73,6 +132,7 @@ def bench(dim: int, layers: int, root: str, rounds: int) -> dict[str, float]:
     out["sw_load_s"] = time.perf_counter() - start
     if rank == 0:
         out["sw_bytes"] = size_of(path)
+        out.update(transaction_cost(Path(root), path))
 
     dist.barrier()
     start = time.perf_counter()
@@ -100,13 +160,26 @@ def bench(dim: int, layers: int, root: str, rounds: int) -> dict[str, float]:
     return out
 
 
+def print_positioning() -> None:
+    print("resume at sample 900,000 of 1,000,000 (batches of 1000), time to the first batch:")
+    for workers in (0, 2):
+        t = positioning(workers)
+        print(f"  num_workers={workers}  shardwise cursor {t['sw']:7.3f} s   Accelerate "
+              f"skip_first_batches {t['accelerate']:7.2f} s   ratio "
+              f"{t['accelerate'] / t['sw']:6.0f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--dir", default="/tmp/sw-ckpt-bench")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", choices=["positioning"], default=None)
     args = parser.parse_args()
+    if args.only == "positioning":
+        print_positioning()
+        return
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     r = run_distributed(bench, args.dim, args.layers, args.dir, args.rounds, world_size=2,
@@ -119,6 +192,10 @@ def main() -> None:
     print(f"  rank-0 gather + torch.save  {r['full_save_s']:7.2f} s   {r['full_bytes'] / gb:6.2f} GB")
     print(f"  rank-0 torch.load (only)    {r['full_load_s']:7.2f} s")
     print(f"  save ratio sw / rank-0      {r['sw_save_s'] / r['full_save_s']:7.2f}")
+    print(f"  writer lock, take + give    {r['lock_s'] * 1e3:7.3f} ms  "
+          f"({100 * r['lock_s'] / r['sw_save_s']:.3f}% of the save)")
+    print(f"  manifest from metadata + file checks {r['manifest_s'] * 1e3:7.3f} ms  "
+          f"({100 * r['manifest_s'] / r['sw_save_s']:.3f}% of the save)")
     saves = STEPS // EVERY
     base = r["train_none_s"]
     print(f"training {STEPS} steps, a save every {EVERY} ({saves} saves), median of "
@@ -126,6 +203,7 @@ def main() -> None:
     for mode in ("none", "blocking", "async"):
         lost = (r[f"train_{mode}_s"] - base) / saves
         print(f"  {mode:<9} {r[f'train_{mode}_s']:7.2f} s   lost per save {lost:6.2f} s")
+    print_positioning()
 
 
 if __name__ == "__main__":

@@ -246,12 +246,17 @@ def run_killed(at, work):
     (when it was not killed) or None."""
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        killer = Killer(at)
-        killer.install()
-        work()
-        os.write(write, str(killer.count).encode())
+    if pid == 0:  # never return into the test runner's stack
+        try:
+            os.close(read)
+            killer = Killer(at)
+            killer.install()
+            work()
+            os.write(write, str(killer.count).encode())
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            os._exit(1)
         os._exit(0)
     os.close(write)
     with os.fdopen(read) as stream:
@@ -305,3 +310,77 @@ def test_a_kill_after_any_file_operation_leaves_the_old_or_the_new_checkpoint(tm
         assert sw.load(root / f"step_{loaded.step:08d}", bundle).step == loaded.step, at
         assert equal(weights(bundle), got), at
         assert not [p for p in root.iterdir() if p.name.startswith((".old", ".tmp", ".trash"))]
+
+
+# -- two writers, random saves, kills and keep_last ------------------------------------------
+
+def writer(root, bundle, saves, kill_at, report):
+    """A forked writer: ``saves`` as (step, keep_last); killed at file operation ``kill_at``
+    (None: never). Each path sw.save returned is written to ``report`` at once."""
+    def work():
+        for step, keep in saves:
+            path = sw.save(root, bundle, sw.TrainState(step=step, micro_step=step),
+                           keep_last=keep)
+            os.write(report, f"{path.name}\n".encode())
+
+    pid = os.fork()
+    if pid == 0:  # never return into the test runner's stack
+        try:
+            if kill_at is not None:
+                Killer(kill_at).install()
+            work()
+        except BaseException as exc:
+            os.write(report, f"error {type(exc).__name__}: {exc}\n".encode())
+            os._exit(1)
+        os._exit(0)
+    return pid
+
+
+def check_two_writers(data, root, bundle, reference):
+    from hypothesis import strategies as st
+
+    plans = []
+    for first in (10, 20):  # everything drawn before any fork
+        saves = data.draw(st.lists(st.tuples(st.integers(first, first + 3),
+                                             st.sampled_from([None, 1, 2])),
+                                   min_size=1, max_size=3))
+        plans.append((saves, data.draw(st.one_of(st.none(), st.integers(1, 60)))))
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(reference, root)  # step 1, published
+    read, report = os.pipe()
+    pids = [writer(root, bundle, saves, kill_at, report) for saves, kill_at in plans]
+    for pid in pids:
+        os.waitpid(pid, 0)
+    os.close(report)
+    with os.fdopen(read) as stream:
+        lines = stream.read().splitlines()
+    assert not [line for line in lines if line.startswith("error")], lines
+    reported = set(lines)
+    assert sw.latest_checkpoint(root) is not None
+    for path in root.glob("step_*"):  # whatever is published loads
+        assert sw.load(path, bundle).step == int(path.name[5:])
+    # what loads is step 1 or one a writer saved: returned by sw.save, or published by a save
+    # killed before it returned (in its keep_last, say, after it pruned the others)
+    state = sw.load(root, bundle)
+    name = f"step_{state.step:08d}"
+    killed = any(kill_at is not None for _, kill_at in plans)
+    attempted = {f"step_{step:08d}" for saves, _ in plans for step, _ in saves}
+    assert name in reported | {"step_00000001"} or (killed and name in attempted), (name, reported)
+    sw.save(root, bundle, sw.TrainState(step=99, micro_step=99))  # recovers, removes debris
+    assert not [p for p in root.iterdir() if p.name.startswith((".old", ".tmp", ".trash"))]
+
+
+@pytest.mark.properties
+def test_two_writers_saving_killing_and_pruning_at_random_leave_a_reported_checkpoint(tmp_path):
+    """CI runs 12 examples; HYPOTHESIS_PROFILE=long runs the long profile's count."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    bundle = build_lm([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+    reference = tmp_path / "reference"
+    sw.save(reference, bundle, state)
+    count = 12 if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else None
+    chosen = settings(database=None, **({"max_examples": count} if count else {}))
+    chosen(given(st.data())(
+        lambda data: check_two_writers(data, tmp_path / "root", bundle, reference)))()

@@ -424,9 +424,11 @@ class Payload:
 def _load_tampered(root):
     config, precision = RESUMED["zero3_fp32"]
     model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)  # as saved
     bundle = sw.pipeline(sw.detect(), sw.deepspeed(config), sw.accumulate_gradients(2),
                          sw.mixed_precision(precision))(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loader(4))
+        model, optimizer, _loader(4), scheduler=scheduler)
     try:
         sw.load(root, bundle)
     except CheckpointError as exc:

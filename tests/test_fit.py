@@ -39,7 +39,7 @@ def test_fit_stopped_and_resumed_in_new_processes_equals_an_uninterrupted_fit(tm
             assert all(torch.equal(got[k], params[k]) for k in params), name
     # saved every 2 steps and at the end
     assert sorted(os.listdir(tmp_path / "split" / "shard")) == [
-        "latest", *(f"step_{n:08d}" for n in (2, 4, 5, 6, 8, 9))]
+        ".shardwise.lock", "latest", *(f"step_{n:08d}" for n in (2, 4, 5, 6, 8, 9))]
 
 
 class Recorder:

@@ -55,6 +55,31 @@ def dcp_quietly() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _no_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                  keep: bool) -> Iterator[None]:
+    """Gradients set aside while torch's ``get_state_dict`` runs: it gives a fresh optimizer
+    state by stepping it once with zero gradients (and none if gradients exist, as in the
+    middle of an accumulation window). Afterwards they come back, and a fresh optimizer's
+    new state is dropped, unless the block succeeded and ``keep`` (the load went through:
+    the window starts clean)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    fresh = optimizer is not None and not optimizer.state
+    for param in params:
+        param.grad = None
+    done = False
+    try:
+        yield
+        done = True
+    finally:
+        if not (done and keep):
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+            if fresh and optimizer is not None:
+                optimizer.state.clear()
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """The checkpoint's record (``shardwise.json``), checked to be one of this format."""
     try:
@@ -122,9 +147,10 @@ def check_tensors(path: Path, bundle: Bundle, optimizer: torch.optim.Optimizer |
     engine = bundle.engine
     if engine.own_checkpoint is not None:
         return []
-    model_sd, tensors, _ = engine.state_dicts(bundle.model, optimizer)
-    return _fit_problems(SafeReader(path), {"model": model_sd, "optimizer": tensors},
-                         engine.partial_optimizer or optimizer is None)
+    with _no_gradients(bundle.model, optimizer, keep=False):  # nothing may change yet
+        model_sd, tensors, _ = engine.state_dicts(bundle.model, optimizer)
+        return _fit_problems(SafeReader(path), {"model": model_sd, "optimizer": tensors},
+                             engine.partial_optimizer or optimizer is None)
 
 
 def load_own(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
@@ -164,21 +190,23 @@ def load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any],
 
     reader = SafeReader(path)
     engine = bundle.engine
-    model_sd, tensors, _ = engine.state_dicts(bundle.model, optimizer)
-    # read into copies: the model and optimizer change only once every tensor was read
-    target = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
-                      {"model": model_sd, "optimizer": tensors})
-    problems = _fit_problems(reader, target, engine.partial_optimizer or optimizer is None)
-    if problems:  # checked before the load began; a file changed since
-        raise CheckpointError(f"checkpoint {path} does not fit this bundle: {problems[0]}")
-    try:
-        with dcp_quietly():
-            dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(),
-                     no_dist=not joined(bundle.env))
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"reading checkpoint {path} failed ({cause(exc)}); the checkpoint "
-                              "is partial or corrupt; nothing was restored") from None
-    engine.load_state_dicts(bundle.model, optimizer, target, meta["optimizer"])
+    with _no_gradients(bundle.model, optimizer, keep=True):  # kept only if the load succeeds
+        model_sd, tensors, _ = engine.state_dicts(bundle.model, optimizer)
+        # read into copies: the model and optimizer change only once every tensor was read
+        target = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
+                          {"model": model_sd, "optimizer": tensors})
+        problems = _fit_problems(reader, target, engine.partial_optimizer or optimizer is None)
+        if problems:  # checked before the load began; a file changed since
+            raise CheckpointError(f"checkpoint {path} does not fit this bundle: {problems[0]}")
+        try:
+            with dcp_quietly():
+                dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(),
+                         no_dist=not joined(bundle.env))
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"reading checkpoint {path} failed ({cause(exc)}); the "
+                                  "checkpoint is partial or corrupt; nothing was restored"
+                                  ) from None
+        engine.load_state_dicts(bundle.model, optimizer, target, meta["optimizer"])
 
 
 def intact(root: Path, bundle: Bundle) -> Path:

@@ -1,0 +1,263 @@
+# sw.load is all or nothing, starts a clean window, and resumes mid-epoch at any world size.
+import copy
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import shardwise as sw
+from shardwise.errors import ArgumentError, CheckpointError
+from shardwise.testing import TinyMLP, TinyTransformerLM, run_distributed
+
+from conftest import build_lm, train_for
+
+# -- all or nothing ------------------------------------------------------------------------
+
+
+def fingerprint(bundle):
+    """Everything a load may change, as copies: model, optimizer, scheduler, generators,
+    the loader's position, gradients."""
+    optimizer = bundle.optimizer.state_dict()
+    return {
+        "model": {k: v.detach().clone() for k, v in bundle.model.state_dict().items()},
+        "optimizer": {(i, n): t.clone() for i, s in optimizer["state"].items()
+                      for n, t in s.items() if isinstance(t, torch.Tensor)},
+        "groups": copy.deepcopy(optimizer["param_groups"]),
+        "scheduler": copy.deepcopy(bundle.scheduler.state_dict()) if bundle.scheduler else None,
+        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()),
+        "loader": (bundle.loader._next_epoch, bundle.loader._resume_at,
+                   bundle.loader._resume_cursor) if bundle.loader is not None else None,
+        "grads": [None if p.grad is None else p.grad.clone() for p in bundle.model.parameters()],
+    }
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+def lm_bundle(optimizer="adamw", scheduler="step", groups=1, seed=0, size=48, sampler=None):
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2, dropout=0.1)
+    params = list(model.parameters())
+    param_groups = [{"params": params}] if groups == 1 else [
+        {"params": params[:3]}, {"params": params[3:], "lr": 1e-3}]
+    opt = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[optimizer](param_groups, lr=3e-3)
+    sched = {"step": lambda: torch.optim.lr_scheduler.StepLR(opt, step_size=3),
+             "cosine": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
+             None: lambda: None}[scheduler]()
+    data = sw.testing.SyntheticTokens(size=size, seq_len=8)
+    loader = DataLoader(data, batch_size=4, shuffle=sampler is None, drop_last=True,
+                        sampler=sampler(data) if sampler else None)
+    return sw.pipeline(sw.detect(), sw.distribute_data(seed=seed))(model, opt, loader,
+                                                                  scheduler=sched)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint saved part-way through epoch 0 (3 of 12 batches), AdamW + StepLR."""
+    root = tmp_path_factory.mktemp("ckpt")
+    bundle = lm_bundle()
+    state, _ = train_for(bundle, bundle.init(), 3)
+    return sw.save(root, bundle, state)
+
+
+MISMATCHES = {
+    "optimizer class": (dict(optimizer="adam"),
+                        r"optimizer: checkpoint torch.optim.adamw.AdamW, bundle "
+                        r"torch.optim.adam.Adam.*skip=\('optimizer',\)"),
+    "parameter groups": (dict(groups=2), r"parameter groups \(parameters in each\): checkpoint "
+                                         r"\[\d+\], bundle \[3, \d+\]"),
+    "scheduler class": (dict(scheduler="cosine"),
+                        r"scheduler: checkpoint torch.optim.lr_scheduler.StepLR, bundle "
+                        r"torch.optim.lr_scheduler.CosineAnnealingLR.*skip=\('scheduler',\)"),
+    "scheduler missing": (dict(scheduler=None), r"scheduler: checkpoint "
+                                                r"torch.optim.lr_scheduler.StepLR, bundle none"),
+    "sampler seed": (dict(seed=7), r"sampler seed 0, this loader uses 7"),
+    "dataset": (dict(size=64), r"48-sample dataset, this loader's dataset has 64 samples"),
+    "user's sampler": (dict(sampler=lambda data: DistributedSampler(data, num_replicas=1, rank=0)),
+                       r"sampler is a DistributedSampler, which cannot start part-way"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_a_refused_load_changes_nothing_and_names_both_sides(saved, case):
+    kwargs, message = MISMATCHES[case]
+    bundle = lm_bundle(**kwargs)
+    state, _ = train_for(bundle, bundle.init(), 2)  # optimizer state and a loader position
+    before = fingerprint(bundle)
+    with pytest.raises(CheckpointError, match=message):
+        sw.load(saved, bundle)
+    assert same(before, fingerprint(bundle))
+
+
+def test_a_scheduler_only_in_the_bundle_is_refused(tmp_path):
+    bundle = lm_bundle(scheduler=None)
+    state, _ = train_for(bundle, bundle.init(), 2)
+    sw.save(tmp_path, bundle, state)
+    other = lm_bundle()
+    before = fingerprint(other)
+    with pytest.raises(CheckpointError, match=r"scheduler: checkpoint none, bundle "
+                                              r"torch.optim.lr_scheduler.StepLR"):
+        sw.load(tmp_path, other)
+    assert same(before, fingerprint(other))
+
+
+def test_skip_loads_the_rest_of_a_checkpoint_into_changed_parts(saved):
+    bundle = lm_bundle(optimizer="adam", scheduler="cosine")
+    with pytest.raises(CheckpointError):
+        sw.load(saved, bundle)
+    scheduler_before = copy.deepcopy(bundle.scheduler.state_dict())
+    state = sw.load(saved, bundle, skip=("optimizer", "scheduler"))
+    assert state.step == 3 and not bundle.optimizer.state  # the Adam keeps its own (none)
+    assert bundle.scheduler.state_dict() == scheduler_before
+    reference = lm_bundle()
+    sw.load(saved, reference)
+    assert same(fingerprint(bundle)["model"], fingerprint(reference)["model"])
+    with pytest.raises(ArgumentError, match="'skip' names 'model'; accepted: optimizer, "
+                                            "scheduler, scaler, rng"):
+        sw.load(saved, bundle, skip=("model",))
+    with pytest.raises(ArgumentError, match="'skip' must be a tuple of part names"):
+        sw.load(saved, bundle, skip="optimizer")
+
+
+def test_a_load_in_the_middle_of_a_window_equals_a_clean_resume(tmp_path):
+    bundle = build_lm([], accumulate=2)
+    state, _ = train_for(bundle, bundle.init(), 4)
+    path = sw.save(tmp_path, bundle, state)
+
+    def resumed(micro_steps_before):
+        again = build_lm([], accumulate=2)
+        torch.manual_seed(11)
+        if micro_steps_before:  # one micro-batch of a window: gradients accumulated
+            train_for(again, again.init(), micro_steps_before)
+            assert any(p.grad is not None for p in again.model.parameters())
+        state = sw.load(path, again)
+        state, _ = train_for(again, state, 4)
+        return {k: v.clone() for k, v in again.model.state_dict().items()}
+
+    clean, cut_short = resumed(0), resumed(1)
+    assert same(clean, cut_short)
+
+
+# -- the data position: a global cursor, any world size ------------------------------------
+
+class Ids(Dataset):
+    """Sample i is (i repeated 8 times, 0): its id can be read back from any batch."""
+
+    def __init__(self, size):
+        self.size = size
+        self.fetched = 0
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        self.fetched += 1
+        return torch.full((8,), float(i)), torch.zeros(1)
+
+
+def ids_bundle(batch_size, size=64, drop_last=False):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    loader = DataLoader(Ids(size), batch_size=batch_size, shuffle=True, drop_last=drop_last)
+    return sw.pipeline(sw.detect())(model, torch.optim.SGD(model.parameters(), lr=0.01), loader)
+
+
+def read_then_save(root, batch_size, batches):
+    bundle = ids_bundle(batch_size)
+    state, read = bundle.init(), []
+    for batch in bundle.loader:
+        read += batch[0][:, 0].int().tolist()
+        state, _ = bundle.step(state, batch)
+        if state.batch_in_epoch == batches:
+            break
+    sw.save(root, bundle, state)
+    return read
+
+
+def resume_and_read(root, batch_size):
+    bundle = ids_bundle(batch_size)
+    state = sw.load(root, bundle)
+    read = []
+    for batch in bundle.loader:
+        read += batch[0][:, 0].int().tolist()
+        state, _ = bundle.step(state, batch)
+    return read, (state.epoch, state.batch_in_epoch)
+
+
+def everything_read(first, second):
+    return sorted(i for rank in first for i in rank) + sorted(i for rank in second for i in rank)
+
+
+def test_a_mid_epoch_resume_at_another_world_size_reads_every_sample_once(tmp_path):
+    root = str(tmp_path / "two")
+    first = run_distributed(read_then_save, root, 4, 3)  # 2 ranks x 3 batches of 4: 24 read
+    assert len(set(i for rank in first for i in rank)) == 24
+    one = [resume_and_read(root, 4)[0]]  # 2 -> 1 rank
+    four = [r for r, _ in run_distributed(resume_and_read, root, 2, world_size=4)]  # 2 -> 4, batch 2
+    for second in (one, four):
+        assert sorted(everything_read(first, second)) == list(range(64))
+    assert all(len(rank) == 10 for rank in four)
+    root = str(tmp_path / "one")
+    first = [read_then_save(root, 4, 5)]  # 1 rank x 5 batches of 4: 20 read
+    results = run_distributed(resume_and_read, root, 4)  # 1 -> 2 ranks
+    second = [r for r, _ in results]
+    assert sorted(everything_read(first, second)) == list(range(64))
+    assert [position for _, position in results] == [(1, 0), (1, 0)]  # the epoch ended there
+
+
+def test_positioning_reads_no_sample_before_the_cursor():
+    bundle = ids_bundle(1000, size=1_000_000)
+    bundle.loader.resume(0, 450, cursor=900_000)
+    dataset = bundle.loader.dataset
+    first = next(iter(bundle.loader))
+    assert dataset.fetched == 1000 and first[0].shape == (1000, 8)
+    assert len(bundle.loader.sampler) == 100_000
+
+
+# -- a background save that fails unobserved ----------------------------------------------
+
+FAILING = textwrap.dedent("""
+    import errno
+    import torch
+    import shardwise as sw
+    from torch.distributed.checkpoint import FileSystemWriter
+    from shardwise.testing import TinyMLP
+
+    def full_disk(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    FileSystemWriter.write_data = full_disk
+    model = TinyMLP()
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state, _ = bundle.step(bundle.init(), (torch.randn(4, 8), torch.randn(4, 1)))
+    handle = sw.save(sys.argv[1], bundle, state, blocking=False)
+    try:
+        handle.result(timeout="soon")
+    except sw.errors.ArgumentError as exc:
+        print(exc)
+    print("the script ends without waiting")
+""")
+
+
+def test_a_background_save_that_fails_unobserved_exits_non_zero_naming_the_cause(tmp_path):
+    done = subprocess.run([sys.executable, "-c", "import sys\n" + FAILING, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert "'timeout' must be None or a finite number of seconds >= 0 (got 'soon')" in done.stdout
+    assert "the script ends without waiting" in done.stdout
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "never waited for" in done.stderr and "no space left on device writing" in done.stderr
+    assert "inline_container" not in done.stderr

@@ -157,6 +157,13 @@ def test_configs_build_compile(tmp_path):
                                     "dynamo_config": {"dynamo_backend": "TURBO"}}))
     with pytest.raises(ConfigError, match=r"dynamo_config.dynamo_backend='TURBO'"):
         sw.from_config(path, env=ONE)
+    if importlib.util.find_spec("tvm") is None and "tvm" in torch._dynamo.list_backends(
+            exclude_tags=()):  # listed by torch, its package missing: named at the key
+        path.write_text(yaml.safe_dump({"distributed_type": "NO",
+                                        "dynamo_config": {"dynamo_backend": "TVM"}}))
+        with pytest.raises(ConfigError, match=r"dynamo_config.dynamo_backend='TVM' is not "
+                                              r"accepted; .*tvm cannot: its package tvm is not"):
+            sw.from_config(path, env=ONE)
 
 
 @pytest.mark.parametrize(("backend", "package"), [("tvm", "tvm"), ("openxla", "torch_xla")])

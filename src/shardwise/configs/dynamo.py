@@ -15,7 +15,7 @@ from typing import Any
 
 from shardwise._config_source import Source
 from shardwise.transforms.base import Transform
-from shardwise.transforms.compile_blocks import MODES, backends, compile
+from shardwise.transforms.compile_blocks import MODES, backends, compile, unusable
 
 __all__ = ["KEYS", "dynamo_transforms", "compile_of"]
 
@@ -32,6 +32,10 @@ def compile_of(src: Source, backend: Any, mode: Any, *, where: str, fullgraph: b
     if name not in known:
         raise src.fail(f"{where}backend", backend, f"a torch.compile backend here: {', '.join(known)}"
                        " (or no)")
+    problem = unusable(name)
+    if problem is not None:
+        raise src.fail(f"{where}backend", backend, f"a backend that compiles here ({name} cannot: "
+                       f"{problem}), or no")
     chosen = None
     if mode is not None:
         chosen = src.choice(f"{where}mode", mode, [m.upper() for m in MODES]).lower()

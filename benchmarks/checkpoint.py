@@ -166,7 +166,7 @@ def print_positioning() -> None:
         t = positioning(workers)
         print(f"  num_workers={workers}  shardwise cursor {t['sw']:7.3f} s   Accelerate "
               f"skip_first_batches {t['accelerate']:7.2f} s   ratio "
-              f"{t['accelerate'] / t['sw']:6.0f}x")
+              f"{t['accelerate'] / t['sw']:5.1f}x")
 
 
 def main() -> None:

@@ -182,3 +182,48 @@ def test_one_list_of_public_names_serves_all_and_the_type_checkers_stub():
             "for n in sw.PUBLIC)\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert isinstance(sw.errors, types.ModuleType) and callable(sw.fit)
+
+
+ENVIRON_READERS = {"shardwise.env", "shardwise.testing", "shardwise.deepspeed_engine.launch_env"}
+
+
+def test_the_environment_is_read_in_env_py_the_cli_and_the_test_harness_only():
+    """``os.environ`` and ``os.getenv`` appear in env.py (read once, into Env), cli/ (the
+    launcher sets the children's variables), testing.py (spawning ranks) and one DeepSpeed
+    helper (DeepSpeed reads its ranks from variables); everything else asks the Env."""
+    readers = set()
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id == "os" and node.attr in ("environ", "getenv", "putenv"):
+                readers.add(module_name(path))
+    outside = {m for m in readers - ENVIRON_READERS if not m.startswith("shardwise.cli")}
+    assert outside == set(), f"modules reading the environment outside env.py: {sorted(outside)}"
+    assert "shardwise.env" in readers  # the check sees what it looks for
+
+
+def test_module_state_lives_in_named_records():
+    """No module keeps mutable state in a bare module-level list, dict or set that it
+    changes (`global x`, `x.append(...)`): such state lives in one named record per concern
+    (``distributed._MEMBERSHIP``, ``checkpoint.background._IN_FLIGHT``,
+    ``checkpoint.lock._WRITERS``), which says what it holds."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        bare = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(t, ast.Name) and isinstance(node.value, (ast.List, ast.Dict,
+                                                                       ast.Set))}
+        inside = [n for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef,
+                                                              ast.AsyncFunctionDef))
+                  for n in ast.walk(f)]  # a table built once at import is not state
+        for node in inside:
+            if isinstance(node, ast.Global):
+                found += [f"{module_name(path)}: global {', '.join(node.names)}"]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id in bare and \
+                    node.func.attr in ("append", "add", "update", "pop", "clear", "extend",
+                                       "setdefault", "remove", "insert"):
+                found += [f"{module_name(path)}: {node.func.value.id}.{node.func.attr}()"]
+    assert found == [], found

@@ -25,18 +25,30 @@ log = logging.getLogger(__name__)
 
 # How long the exit barrier waits for the other ranks before leaving anyway.
 _EXIT_BARRIER = datetime.timedelta(seconds=60)
-_groups_started = 0  # distinguishes the exit-barrier keys of successive groups in one process
 # How long a rank whose collective failed waits for the others to report theirs.
 _PEER_REPORT = datetime.timedelta(seconds=3)
-# the group started here and its exit-barrier store; None once left
-_started: tuple[dist.ProcessGroup | None, dist.Store] | None = None
-# the store where ranks whose collective failed say where they were (None: no group here)
-_reports: dist.Store | None = None
-# set by the excepthook shardwise installs when it starts a group: this rank is failing
-_failing: list[BaseException] = []
-# a gloo group beside the default one, for collectives a background thread runs (DCP's
-# async save) so that they never interleave with the step's; made on first use
-_side: list[dist.ProcessGroup] = []
+
+
+class _Membership:
+    """This process's part in process groups: shardwise's one record of module state."""
+
+    def __init__(self) -> None:
+        #: groups started here (distinguishes the keys of successive groups in one process)
+        self.groups_started = 0
+        #: the group started here and its exit-barrier store; None once left
+        self.started: tuple[dist.ProcessGroup | None, dist.Store] | None = None
+        #: where ranks whose collective failed say where they were (None: no group here)
+        self.reports: dist.Store | None = None
+        #: set by the excepthook installed with the first group: this rank is failing
+        self.failing: list[BaseException] = []
+        #: a gloo group beside the default one, for collectives a background thread runs
+        #: (DCP's async save) so that they never interleave with the step's; made on first use
+        self.side: dist.ProcessGroup | None = None
+        #: torchrun's error file for this rank (from the Env that started the group)
+        self.error_file: str | None = None
+
+
+_MEMBERSHIP = _Membership()
 
 
 def _exit_barrier(store: dist.Store, rank: int, world_size: int) -> None:
@@ -62,7 +74,7 @@ def _note_failure(previous: object) -> object:
     """An excepthook that records an uncaught exception, then runs ``previous``."""
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        _failing.append(exc)
+        _MEMBERSHIP.failing.append(exc)
         previous(kind, exc, tb)  # type: ignore[operator]
         _record_for_launcher(exc, tb)
 
@@ -72,7 +84,7 @@ def _note_failure(previous: object) -> object:
 def _record_for_launcher(exc: BaseException, tb: TracebackType | None) -> None:
     """Write torchrun's error file (``$TORCHELASTIC_ERROR_FILE``): its summary then shows
     this exception and when it happened, and names the rank that failed first."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = _MEMBERSHIP.error_file
     if not path or os.path.exists(path):
         return
     import json
@@ -132,7 +144,7 @@ def _peer_reports(rank: int, size: int, where: str) -> dict[int, str]:
     """What each rank that reported within ``_PEER_REPORT`` said (this one included)."""
     import time
 
-    store = _reports
+    store = _MEMBERSHIP.reports
     if store is None:
         return {}
     try:
@@ -156,20 +168,20 @@ def _shutdown() -> None:
     ranks may be blocked in a collective and never reach the barrier, and the launcher
     (torchrun) stops them as soon as this process has exited with its error.
     """
-    global _started
-    if _started is None:
+    if _MEMBERSHIP.started is None:
         return
-    group, store = _started
-    _started = None
+    group, store = _MEMBERSHIP.started
+    _MEMBERSHIP.started = None
     if not dist.is_initialized() or dist.group.WORLD is not group:
         return  # the script destroyed (or replaced) the group itself
-    if _failing:
+    failing = _MEMBERSHIP.failing
+    if failing:
         log.error("rank %d raised %s: leaving at once, without the exit barrier",
-                  dist.get_rank(), type(_failing[0]).__name__)
+                  dist.get_rank(), type(failing[0]).__name__)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         # no group teardown: a peer may hold it in a collective; exit with Python's code
-        os._exit(130 if isinstance(_failing[0], KeyboardInterrupt) else 1)
+        os._exit(130 if isinstance(failing[0], KeyboardInterrupt) else 1)
     try:
         _exit_barrier(store, dist.get_rank(), dist.get_world_size())
     except Exception as exc:  # another rank is gone: leave anyway
@@ -221,27 +233,27 @@ def ensure_process_group(env: Env) -> None:
     store.set_timeout(env.timeout)
     # keys under this attempt of an elastic job and this group of the process: a restarted
     # worker must never read the addresses its dead predecessor left in the agent's store
-    global _groups_started, _started, _reports
-    _groups_started += 1
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    scope = f"shardwise/{restart}/{_groups_started}"
+    record = _MEMBERSHIP
+    record.groups_started += 1
+    record.error_file = env.error_file
+    scope = f"shardwise/{env.restart_count}/{record.groups_started}"
     dist.init_process_group(
         backend=env.backend, store=dist.PrefixStore(f"{scope}/default_pg", store),
         world_size=env.world_size, rank=env.rank, timeout=env.timeout, device_id=device_id)
     exit_store = dist.PrefixStore(f"{scope}/exit", store)
-    _reports = dist.PrefixStore(f"{scope}/failed", store)
-    if _groups_started == 1:
+    record.reports = dist.PrefixStore(f"{scope}/failed", store)
+    if record.groups_started == 1:
         atexit.register(_shutdown)
         sys.excepthook = _note_failure(sys.excepthook)  # type: ignore[assignment]
-    _started = (dist.group.WORLD, exit_store)
+    record.started = (dist.group.WORLD, exit_store)
 
 
 def side_group() -> dist.ProcessGroup:
     """A gloo group of all ranks beside the default one, for a background thread's
     collectives (made once, on first use: every rank must call it then)."""
-    if not _side:
-        _side.append(dist.new_group(backend="gloo"))
-    return _side[0]
+    if _MEMBERSHIP.side is None:
+        _MEMBERSHIP.side = dist.new_group(backend="gloo")
+    return _MEMBERSHIP.side
 
 
 def joined(env: Env) -> bool:

@@ -120,6 +120,10 @@ class Env:
     accelerate_variables: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=tuple)
     """The ``ACCELERATE_*``, ``FSDP_*`` and ``PARALLELISM_CONFIG_*`` variables ``accelerate
     launch`` set (name, value), which :func:`shardwise.pipeline` follows like a config file."""
+    restart_count: int = 0
+    """Which attempt of an elastic job this is (torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
+    error_file: str | None = None
+    """Where torchrun wants a failing rank's error (``TORCHELASTIC_ERROR_FILE``), or None."""
 
     def __attrs_post_init__(self) -> None:
         check_topology(attrs.asdict(self, recurse=False))
@@ -127,7 +131,7 @@ class Env:
                 any(p not in precision.NAMES for p in self.precisions):
             raise EnvError(f"'precisions' must be a tuple of {', '.join(map(repr, precision.NAMES))} "
                            f"(got {_short(self.precisions)})")
-        for name in ("master_addr", "backend", "config_path"):
+        for name in ("master_addr", "backend", "config_path", "error_file"):
             value = getattr(self, name)
             if not isinstance(value, str) and (value is not None or name == "backend"):
                 raise EnvError(f"'{name}' must be a str (got {_short(value)})")
@@ -136,6 +140,9 @@ class Env:
                                    or memory < 0):
             raise EnvError(f"'device_memory_bytes' must be an integer >= 0 or None "
                            f"(got {_short(memory)})")
+        restart = self.restart_count
+        if isinstance(restart, bool) or not isinstance(restart, int) or restart < 0:
+            raise EnvError(f"'restart_count' must be an integer >= 0 (got {_short(restart)})")
         if self.launcher not in _LAUNCHERS:
             raise EnvError(f"'launcher' must be one of {_LAUNCHERS} (got {_short(self.launcher)})")
 
@@ -330,6 +337,14 @@ def _accelerate_cpu(variables: tuple[tuple[str, str], ...]) -> bool:
     return value in ("1", "true", "yes", "y", "on", "t")
 
 
+def _elastic(environ: Mapping[str, str]) -> dict[str, Any]:
+    """torchrun's attempt number and error file, when it set them."""
+    restart = _int(environ, "TORCHELASTIC_RESTART_COUNT") \
+        if "TORCHELASTIC_RESTART_COUNT" in environ else 0
+    return {"restart_count": restart,
+            "error_file": environ.get("TORCHELASTIC_ERROR_FILE") or None}
+
+
 def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env:
     """Read the launcher's variables and the hardware into an :class:`Env`. Changes nothing.
 
@@ -379,6 +394,7 @@ def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env
     values["device"] = device
     values["config_path"] = environ.get(CONFIG_ENV_VAR) or None
     values["accelerate_variables"] = variables
+    values.update(_elastic(environ))
     values.update(overrides)
     if isinstance(values.get("precisions"), (list, tuple)):
         values["precisions"] = tuple(values["precisions"])

@@ -13,6 +13,7 @@ import attrs
 from shardwise._params import refuse_state
 from shardwise._text import short
 from shardwise.bundle import Bundle
+from shardwise.deepspeed_engine.launch_env import for_deepspeed_import, for_deepspeed_ranks
 from shardwise.distributed import ensure_process_group
 from shardwise.engines.base import Engine
 from shardwise.env import Env
@@ -42,8 +43,7 @@ def _config(value: Any) -> str | Mapping[str, Any]:
 
 def import_deepspeed(env: Env) -> Any:
     """The ``deepspeed`` module (on a CPU env, DeepSpeed's CPU accelerator is chosen)."""
-    if env.device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for_deepspeed_import(env)
     try:
         import deepspeed  # noqa: PLC0415 (optional, and slow to import)
     except ImportError as exc:
@@ -75,10 +75,7 @@ def _join(env: Env) -> None:
     gets a group of its own."""
     import torch.distributed as dist
 
-    for name, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size),
-                        ("LOCAL_RANK", env.local_rank),
-                        ("LOCAL_WORLD_SIZE", env.local_world_size)):
-        os.environ.setdefault(name, str(value))
+    for_deepspeed_ranks(env)
     if env.is_distributed:
         ensure_process_group(env)
     elif not dist.is_initialized():

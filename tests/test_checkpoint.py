@@ -89,7 +89,7 @@ def test_checkpoint_layout_on_disk(resumed):
     assert meta["train_state"]["step"] == 5 and meta["world_size"] == 2
     # 4 batches of 4 on each of 2 ranks: 32 samples of the epoch's order read, of 48
     assert meta["data"] == {"epoch": 1, "batch_in_epoch": 4, "seed": 0, "cursor": 32,
-                            "samples": 48}
+                            "samples": 48, "shuffle": True}
     assert open(os.path.join(root, "shard", "latest")).read().strip() == "step_00000005"
 
 

@@ -48,7 +48,8 @@ def same(a, b):
     return a == b
 
 
-def lm_bundle(optimizer="adamw", scheduler="step", groups=1, seed=0, size=48, sampler=None):
+def lm_bundle(optimizer="adamw", scheduler="step", groups=1, seed=0, size=48, sampler=None,
+              shuffle=True):
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2, dropout=0.1)
     params = list(model.parameters())
@@ -59,7 +60,7 @@ def lm_bundle(optimizer="adamw", scheduler="step", groups=1, seed=0, size=48, sa
              "cosine": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
              None: lambda: None}[scheduler]()
     data = sw.testing.SyntheticTokens(size=size, seq_len=8)
-    loader = DataLoader(data, batch_size=4, shuffle=sampler is None, drop_last=True,
+    loader = DataLoader(data, batch_size=4, shuffle=shuffle and sampler is None, drop_last=True,
                         sampler=sampler(data) if sampler else None)
     return sw.pipeline(sw.detect(), sw.distribute_data(seed=seed))(model, opt, loader,
                                                                   scheduler=sched)

@@ -112,6 +112,7 @@ class DeviceLoader:
         self._resume_at = 0  # batches of the next epoch already consumed before a resume
         self._resume_cursor = 0  # and the samples of its order read by every rank together
         self._base = (0, 0)  # (batch_in_epoch, cursor) where this epoch's iteration began
+        self._pending = False  # a resume() whose epoch has not begun iterating yet
         generator = getattr(loader, "generator", None)
         # the base of the per-epoch seeds of the loader's generator (the user's seed, if any)
         self._generator_seed = generator.initial_seed() if generator is not None else 0
@@ -131,7 +132,7 @@ class DeviceLoader:
         sampler = self.sampler
         if not isinstance(sampler, ResumableSampler):
             return None
-        if (self._resume_at or self._resume_cursor) and epoch == self._next_epoch:
+        if self._pending and epoch == self._next_epoch:
             first_batch, first_cursor = self._resume_at, self._resume_cursor  # not begun yet
         elif epoch == self.epoch:
             first_batch, first_cursor = self._base
@@ -142,7 +143,8 @@ class DeviceLoader:
         return max(0, min(read, len(sampler.dataset)))  # type: ignore[arg-type]
 
     def plan_resume(self, epoch: int, batch_in_epoch: int, cursor: int | None = None,
-                    samples: int | None = None) -> tuple[int, int, int]:
+                    samples: int | None = None, shuffle: bool | None = None
+                    ) -> tuple[int, int, int]:
         """Where a resume at (epoch, batch_in_epoch, global cursor) continues here:
         (epoch, this rank's batch_in_epoch, cursor); the end of an epoch is (E + 1, 0, 0).
         A record without a cursor was saved with this loader's ranks and batch size.
@@ -150,7 +152,7 @@ class DeviceLoader:
 
         Raises:
             DataError: mid-epoch, and the sampler cannot start part-way, or the dataset's
-                length is not the saved one.
+                length or the shuffling is not the saved one.
         """
         if not batch_in_epoch and not cursor:
             return epoch, 0, 0
@@ -167,6 +169,12 @@ class DeviceLoader:
                 f"the checkpoint was saved part-way through an epoch of a {samples}-sample "
                 f"dataset, this loader's dataset has {size} samples: the epoch's order would "
                 "differ, so the samples left cannot be found; resume with the same dataset")
+        if shuffle is not None and shuffle != sampler.shuffle:
+            raise DataError(
+                f"the checkpoint was saved part-way through an epoch read with shuffle={shuffle}, "
+                f"this loader has shuffle={sampler.shuffle}: the epoch's order would differ, so "
+                "the samples left cannot be found; resume with the same shuffle, or at an "
+                "epoch end")
         if cursor is None:
             cursor = batch_in_epoch * self._batch_size() * sampler.num_replicas
         per_rank = max(0, size - cursor)
@@ -192,6 +200,7 @@ class DeviceLoader:
         """
         epoch, done, cursor = self.plan_resume(epoch, batch_in_epoch, cursor)
         self._next_epoch, self._resume_at, self._resume_cursor = epoch, done, cursor
+        self._pending = True
 
     def epoch_length(self) -> int | None:
         """Batches in a whole epoch (however far the current one has got), or None if the
@@ -231,6 +240,7 @@ class DeviceLoader:
         self.epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         self.batch_in_epoch, self._resume_at = self._resume_at, 0
         self._base, self._resume_cursor = (self.batch_in_epoch, self._resume_cursor), 0
+        self._pending = False
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if set_epoch is not None:
             set_epoch(self.epoch)

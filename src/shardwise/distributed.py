@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Iterator
 from types import TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from shardwise.env import Env, detect
 from shardwise.errors import CollectiveError, EnvError
 
-__all__ = ["ensure_process_group", "joined", "all_agree", "main_process_first",
+__all__ = ["ensure_process_group", "joined", "all_agree", "from_main", "main_process_first",
            "collective_failure", "side_group"]
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,15 @@ def side_group() -> dist.ProcessGroup:
 def joined(env: Env) -> bool:
     """Whether ``env`` has several ranks and this process is in their group."""
     return env.is_distributed and dist.is_initialized()
+
+
+def from_main(env: Env, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a collective: every rank calls it)."""
+    if not joined(env):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_agree(env: Env, ok: bool) -> bool:

@@ -36,7 +36,7 @@ from shardwise._text import short
 from shardwise.checkpoint import integrity
 from shardwise.checkpoint.layout import write_durably
 from shardwise.checkpoint.lock import RootLock
-from shardwise.checkpoint.transaction import publish
+from shardwise.checkpoint.transaction import PublishedError, publish
 from shardwise.distributed import joined, side_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, CheckpointError
@@ -272,32 +272,36 @@ def _finish_locked(handle: AsyncSave, env: Env, root: Path, tmp: Path, final: Pa
         digests = integrity.digests_of(tmp, env.rank)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         error = f"rank {env.rank}: {cause(exc, tmp)}"
+    verdict: str | None = None
     try:
         if report is not None:
             report.post(digests, error)
         if env.is_main:
             outcomes = report.gather() if report is not None else [{"digests": digests,
                                                                    "error": error}]
-            error = _publish(env, root, tmp, final, step, keep_last, outcomes)
+            verdict = _publish(env, root, tmp, final, step, keep_last, outcomes)
             if report is not None:
-                report.verdict(error)
+                report.verdict(verdict)
         elif report is not None:
-            error = report.wait_verdict()
+            verdict = report.wait_verdict()
     except Exception as exc:  # the store went away (a rank died): nothing is published
-        error = f"{type(exc).__name__}: {exc}"
-    if error is not None:
-        handle._error = (f"writing checkpoint {final} in the background failed ({error}); "
-                         f"{root / 'latest'} still names the previous checkpoint")
+        verdict = _unpublished(root, final, f"{type(exc).__name__}: {exc}")
+    handle._error = verdict
+
+
+def _unpublished(root: Path, final: Path, cause_: str) -> str:
+    return (f"writing checkpoint {final} in the background failed ({cause_}); "
+            f"{root / 'latest'} still names the previous checkpoint")
 
 
 def _publish(env: Env, root: Path, tmp: Path, final: Path, step: int, keep_last: int | None,
              outcomes: list[dict[str, Any]]) -> str | None:
-    """Rank 0: the manifest of every rank's digests and the one-rename publish, or the
-    first rank's error (the unpublished files removed)."""
+    """Rank 0: the manifest of every rank's digests and the one-rename publish; None, or
+    what went wrong in words (the unpublished files removed)."""
     errors = [o["error"] for o in outcomes if o["error"]]
     if errors:
         shutil.rmtree(tmp, ignore_errors=True)
-        return "; ".join(errors)
+        return _unpublished(root, final, "; ".join(errors))
     written: integrity.Written = {}
     for outcome in outcomes:
         written.update({name: (sha, size) for name, (sha, size) in outcome["digests"].items()})
@@ -305,7 +309,9 @@ def _publish(env: Env, root: Path, tmp: Path, final: Path, step: int, keep_last:
         manifest, sizes = integrity.manifest_of(tmp, env.world_size, written)
         write_durably(tmp / integrity.MANIFEST, json.dumps(manifest, indent=1))
         publish(root, tmp, final, step, keep_last, sizes)
+    except PublishedError as exc:
+        return str(exc)
     except OSError as exc:
-        return describe_os_error(exc)
+        return _unpublished(root, final, describe_os_error(exc))
     log.info("checkpoint %s published (written in the background)", final)
     return None

@@ -9,6 +9,7 @@ those are neither checked nor loaded, and keep what the bundle has.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,7 +17,7 @@ from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.errors import ArgumentError, CheckpointError
 
-__all__ = ["SKIPPABLE", "check_skip", "parts_of", "check_parts", "refusal"]
+__all__ = ["SKIPPABLE", "check_skip", "parts_of", "check_parts", "scheduler_loads", "refusal"]
 
 #: what ``sw.load(..., skip=...)`` may leave out
 SKIPPABLE = ("optimizer", "scheduler", "scaler", "rng")
@@ -120,6 +121,42 @@ def check_parts(path: Any, meta: dict[str, Any], bundle: Bundle, skip: frozenset
     if bundle.optimizer is None:
         return []
     return _mismatches(saved or {}, meta, bundle, skip)
+
+
+def scheduler_loads(bundle: Bundle, saved: Any) -> list[str]:
+    """Whether the bundle's scheduler takes the saved state: tried, then put back as it was
+    (a scheduler of the same class may still be built differently, e.g. a ``SequentialLR``
+    of other schedulers, and its ``load_state_dict`` fails half-way)."""
+    from shardwise.checkpoint import typed_json
+
+    scheduler = bundle.scheduler
+    if scheduler is None or saved is None or bundle.optimizer is None:
+        return []
+    before = [(part, _copy_of(part)) for part in _parts(scheduler)]
+    try:
+        scheduler.load_state_dict(typed_json.decode(copy.deepcopy(saved)))
+    except Exception as exc:  # whatever a scheduler raises on a state not its own
+        return [f"scheduler: the checkpoint's {type(scheduler).__name__} state does not load "
+                f"into this one ({type(exc).__name__}: {short(str(exc))})"]
+    finally:  # every attribute back, and none added (load_state_dict only adds)
+        for part, attributes in before:
+            vars(part).clear()
+            vars(part).update(attributes)
+    return []
+
+
+def _parts(scheduler: Any) -> list[Any]:
+    """The scheduler and those it drives (``SequentialLR``, ``ChainedScheduler``)."""
+    out = [scheduler]
+    for inner in getattr(scheduler, "_schedulers", None) or []:
+        out += _parts(inner)
+    return out
+
+
+def _copy_of(part: Any) -> dict[str, Any]:
+    """A scheduler's attributes, copied but for the objects it refers to."""
+    return {k: v if k in ("optimizer", "_schedulers") else copy.deepcopy(v)
+            for k, v in vars(part).items()}
 
 
 def refusal(path: Any, problems: list[str]) -> CheckpointError:

@@ -140,7 +140,7 @@ def incomplete_parts(path: Path) -> list[str]:
     return missing + ([] if _tensors_written(path) else [str(path / ".metadata")])
 
 
-_STEP_NAME = re.compile(r"step_\d{8}")
+_STEP_NAME = re.compile(r"step_\d{8,}")  # 8 digits, more from step 100,000,000 on
 
 
 def _is_ours(path: Path) -> bool:

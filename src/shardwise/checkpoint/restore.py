@@ -34,7 +34,7 @@ from shardwise.checkpoint.layout import (
     rng_file,
 )
 from shardwise.data import DeviceLoader
-from shardwise.distributed import all_agree, joined
+from shardwise.distributed import all_agree, from_main, joined
 from shardwise.errors import CheckpointError, DataError
 from shardwise.state import TrainState
 
@@ -70,7 +70,8 @@ def _no_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         param.grad = None
     done = False
     try:
-        yield
+        with _quiet_step(optimizer if fresh else None):
+            yield
         done = True
     finally:
         if not (done and keep):
@@ -78,6 +79,32 @@ def _no_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                 param.grad = grad
             if fresh and optimizer is not None:
                 optimizer.state.clear()
+
+
+@contextlib.contextmanager
+def _quiet_step(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """The optimizer's step hooks, and torch's global ones, set aside while torch steps a
+    fresh optimizer with zero gradients to make its state: that step is not training (an
+    EMA or a logger hooked on it must not see it)."""
+    if optimizer is None:
+        yield
+        return
+    from torch.optim import optimizer as module
+
+    tables = [getattr(optimizer, "_optimizer_step_pre_hooks", None),
+              getattr(optimizer, "_optimizer_step_post_hooks", None),
+              getattr(module, "_global_optimizer_pre_hooks", None),
+              getattr(module, "_global_optimizer_post_hooks", None)]
+    saved = [dict(t) if t is not None else None for t in tables]
+    for table in tables:
+        if table is not None:
+            table.clear()
+    try:
+        yield
+    finally:
+        for table, content in zip(tables, saved, strict=True):
+            if table is not None and content is not None:
+                table.update(content)
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -221,18 +248,24 @@ def intact(root: Path, bundle: Bundle) -> Path:
     if lacking:
         raise CheckpointError(f"{root} is not a complete checkpoint: {', '.join(lacking)} "
                               "missing or not a file; the checkpoint is partial or corrupt")
+    env = bundle.env
+    if explicit:
+        integrity.verify(root, env)
+        return root
+    # rank 0 reads `latest` and the directory, and every rank verifies what it names: ranks
+    # that looked on their own could pick different checkpoints while a writer publishes
+    found = candidates(root) if env.is_main else iter(())
     problems: list[str] = []
-    for path in [root] if explicit else candidates(root):
+    while (path := from_main(env, next(found, None))) is not None:
         try:
-            integrity.verify(path, bundle.env)
-            if problems:
-                log.warning("loading %s: the newer checkpoint(s) are damaged (%s)", path,
-                            "; ".join(problems))
-            return path
+            integrity.verify(path, env)
         except CheckpointError as exc:
-            if explicit:
-                raise
             problems.append(str(exc))
+            continue
+        if problems:
+            log.warning("loading %s: the newer checkpoint(s) are damaged (%s)", path,
+                        "; ".join(problems))
+        return path
     if problems:
         raise CheckpointError(f"no intact checkpoint in {root}: {'; '.join(problems)}")
     others = sorted(p.name for p in root.glob("step_*"))
@@ -285,7 +318,8 @@ def plan_position(bundle: Bundle, state: TrainState, data: dict[str, Any]
     if data.get("cursor") is None and length is not None and done >= length:
         return epoch + 1, 0, 0  # written by a release that kept (E, length)
     try:
-        return loader.plan_resume(epoch, done, data.get("cursor"), data.get("samples"))
+        return loader.plan_resume(epoch, done, data.get("cursor"), data.get("samples"),
+                                  data.get("shuffle"))
     except DataError as exc:
         raise CheckpointError(str(exc)) from None
 

@@ -21,10 +21,16 @@ import torch
 
 from shardwise._text import short
 from shardwise.bundle import Bundle
-from shardwise.checkpoint import background, integrity
+from shardwise.checkpoint import background, integrity, typed_json
 from shardwise.checkpoint import rng as _rng
 from shardwise.checkpoint.background import AsyncSave, cause, describe_os_error, wait_for_saves
-from shardwise.checkpoint.compatibility import check_parts, check_skip, parts_of, refusal
+from shardwise.checkpoint.compatibility import (
+    check_parts,
+    check_skip,
+    parts_of,
+    refusal,
+    scheduler_loads,
+)
 from shardwise.checkpoint.layout import (
     FORMAT,
     LATEST,
@@ -46,9 +52,9 @@ from shardwise.checkpoint.restore import (
     read_meta,
     read_rng,
 )
-from shardwise.checkpoint.transaction import TMP, publish, recover
+from shardwise.checkpoint.transaction import TMP, PublishedError, publish, recover
 from shardwise.data import DeviceLoader
-from shardwise.distributed import all_agree, joined
+from shardwise.distributed import all_agree, from_main, joined
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, CheckpointError
 from shardwise.state import TrainState
@@ -141,11 +147,14 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
                 manifest, sizes = integrity.manifest_of(tmp, env.world_size, every, own)
                 _write_json(tmp / integrity.MANIFEST, manifest)
                 publish(root, tmp, final, state.step, keep_last, sizes)
+            except PublishedError as exc:
+                ok, problem = False, str(exc)
             except OSError as exc:
-                ok, problem = False, describe_os_error(exc)
+                ok, problem = False, (f"publishing checkpoint {final} failed "
+                                      f"({describe_os_error(exc)}); {root / LATEST} still "
+                                      "names the previous checkpoint")
         if not all_agree(env, ok):  # nobody returns before the checkpoint is visible
-            raise CheckpointError(f"publishing checkpoint {final} failed ({problem}); "
-                                  f"{root / LATEST} still names the previous checkpoint")
+            raise CheckpointError(from_main(env, problem))
         return final
     finally:
         if lock is not None:
@@ -175,15 +184,21 @@ def _begin(env: Env, root: Path, tmp: Path) -> RootLock | None:
     and makes the hidden directory the ranks write into; every rank learns whether it could.
     The lock on rank 0 (None elsewhere)."""
     ok, problem, lock = True, "", None
-    if env.is_main:
-        try:
-            lock = acquire(root)
-            recover(root)
-            tmp.mkdir()
-        except (OSError, CheckpointError) as exc:
-            ok, problem = False, str(exc) if isinstance(exc, CheckpointError) \
-                else describe_os_error(exc)
-    if not all_agree(env, ok):
+    try:
+        if env.is_main:
+            try:
+                lock = acquire(root)
+                recover(root)
+                tmp.mkdir()
+            except (OSError, CheckpointError) as exc:
+                ok, problem = False, str(exc) if isinstance(exc, CheckpointError) \
+                    else describe_os_error(exc)
+        agreed = all_agree(env, ok)
+    except BaseException:  # Ctrl-C, a lost peer: never keep the root locked
+        if lock is not None:
+            lock.release()
+        raise
+    if not agreed:
         if lock is not None:
             lock.release()
         raise CheckpointError(f"cannot create checkpoint directory {tmp}: "
@@ -201,9 +216,11 @@ def _record(bundle: Bundle, state: TrainState, final: Path, own: str | None,
             "parts": parts_of(bundle),
             "data": _data_position(bundle, state),
             "optimizer": plain(other, "the optimizer's hyperparameters"),
-            "scheduler": plain(bundle.scheduler.state_dict(), "the scheduler's state")
+            "scheduler": plain(typed_json.encode(bundle.scheduler.state_dict()),
+                               "the scheduler's state")
             if bundle.scheduler is not None else None,
-            "scaler": plain(bundle.scaler.state_dict(), "the grad scaler's state")
+            "scaler": plain(typed_json.encode(bundle.scaler.state_dict()),
+                            "the grad scaler's state")
             if bundle.scaler is not None else None}
 
 
@@ -279,10 +296,12 @@ def _data_position(bundle: Bundle, state: TrainState) -> dict[str, Any]:
     if not isinstance(loader, DeviceLoader):
         return {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch, "seed": None}
     cursor = loader.cursor(state.epoch, state.batch_in_epoch)
-    dataset = getattr(loader, "dataset", None)
-    samples = len(dataset) if cursor is not None and dataset is not None else None
+    if cursor is None:  # not shardwise's sampler: it can resume at epoch ends only
+        return {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
+                "seed": loader.seed, "cursor": None}
     return {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch, "seed": loader.seed,
-            "cursor": cursor, "samples": samples}
+            "cursor": cursor, "samples": len(loader.sampler.dataset),
+            "shuffle": bool(loader.sampler.shuffle)}
 
 
 def load(directory: str | os.PathLike[str], bundle: Bundle, *,
@@ -323,9 +342,9 @@ def load(directory: str | os.PathLike[str], bundle: Bundle, *,
         load_dcp(path, bundle, meta, optimizer)
     if bundle.scheduler is not None and meta.get("scheduler") is not None \
             and "scheduler" not in skipped:
-        bundle.scheduler.load_state_dict(meta["scheduler"])
+        bundle.scheduler.load_state_dict(typed_json.decode(meta["scheduler"]))
     if bundle.scaler is not None and meta.get("scaler") is not None and "scaler" not in skipped:
-        bundle.scaler.load_state_dict(meta["scaler"])
+        bundle.scaler.load_state_dict(typed_json.decode(meta["scaler"]))
     if rng is not None:
         _rng.restore(rng)
     for param in bundle.model.parameters():  # a window cut short: its gradients do not carry
@@ -350,6 +369,8 @@ def _checked(path: Path, bundle: Bundle, skipped: frozenset[str]
         problems = check_tensors(path, bundle, None if "optimizer" in skipped
                                  else bundle.optimizer)
         problems += check_parts(path, meta, bundle, skipped)
+        if "scheduler" not in skipped:
+            problems += scheduler_loads(bundle, meta.get("scheduler"))
         try:
             position = plan_position(bundle, state, meta["data"])
         except CheckpointError as exc:

@@ -33,10 +33,14 @@ from shardwise.checkpoint.layout import (
     write_durably,
 )
 
-__all__ = ["TMP", "TRASH", "recover", "publish", "retire", "check_written"]
+__all__ = ["TMP", "TRASH", "PublishedError", "recover", "publish", "retire", "check_written"]
 
 TMP = ".tmp."
 TRASH = ".trash."
+
+
+class PublishedError(OSError):
+    """A failure after the checkpoint's rename: it is published, what followed is not done."""
 
 
 def retire(path: Path) -> None:
@@ -49,7 +53,8 @@ def retire(path: Path) -> None:
 def recover(root: Path) -> None:
     """Put back or clear what interrupted saves left in ``root`` (the writer's lock held)."""
     for old in root.glob(OLD + "step_*"):
-        if old.is_symlink():
+        if old.is_symlink() or not old.is_dir():  # never one of ours: it would block a re-save
+            old.unlink()
             continue
         published = old.with_name(old.name.removeprefix(OLD))
         if os.path.lexists(published):
@@ -85,14 +90,23 @@ def publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None
         os.rename(final, old)
         fsync_dir(root)
     os.rename(tmp, final)
-    fsync_dir(root)
-    write_durably(root / LATEST, final.name + "\n")
-    fsync_dir(root)
-    if replacing:
-        retire(old)
-    if keep_last is not None:
-        # only checkpoints older than this one: after a rollback, newer-numbered ones
-        # belong to an abandoned run and are left for the user to judge
-        older = [p for p in complete_steps(root) if step_of(p) < step]
-        for old_step in older[:len(older) - (keep_last - 1)]:
-            retire(old_step)
+    stage = "making it durable"
+    try:  # published: what fails from here on must not be reported as "nothing published"
+        fsync_dir(root)
+        stage = f"pointing {LATEST} at it ({LATEST} still names the checkpoint before)"
+        write_durably(root / LATEST, final.name + "\n")
+        fsync_dir(root)
+        stage = "deleting the copy it replaced (the next save does it)"
+        if replacing:
+            retire(old)
+        stage = "deleting older checkpoints for keep_last"
+        if keep_last is not None:
+            # only checkpoints older than this one: after a rollback, newer-numbered ones
+            # belong to an abandoned run and are left for the user to judge
+            older = [p for p in complete_steps(root) if step_of(p) < step]
+            for old_step in older[:len(older) - (keep_last - 1)]:
+                retire(old_step)
+    except OSError as exc:
+        raise PublishedError(f"checkpoint {final} was published (it loads by its path), but "
+                             f"{stage} failed: {exc.strerror or exc}"
+                             + (f" ({exc.filename})" if exc.filename else "")) from exc

@@ -1,0 +1,170 @@
+# Checkpoint edges a hostile review found: each was a lost, mixed or half-restored state.
+import errno
+import os
+
+import pytest
+import torch
+from torch.optim import lr_scheduler
+
+import shardwise as sw
+from shardwise.checkpoint import lock, transaction
+from shardwise.errors import CheckpointError
+from shardwise.testing import run_distributed
+
+from conftest import build_lm, train_for
+from test_checkpoint_loading import fingerprint, lm_bundle, same
+
+
+def test_ctrl_c_while_a_save_clears_debris_never_leaves_the_root_locked(tmp_path, monkeypatch):
+    bundle = build_lm([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+
+    def interrupted(root):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("shardwise.checkpoint.save_load.recover", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sw.save(tmp_path, bundle, state)
+    monkeypatch.undo()
+    lock.acquire(tmp_path, wait=0.1).release()  # free at once, in this process too
+    assert sw.save(tmp_path, bundle, state).name == "step_00000001"
+
+
+def test_a_scheduler_of_the_same_class_built_otherwise_is_refused_and_changes_nothing(tmp_path):
+    def sequential(opt, count):
+        parts = [lr_scheduler.StepLR(opt, step_size=2) for _ in range(count)]
+        return lr_scheduler.SequentialLR(opt, parts, milestones=list(range(2, 2 * count, 2)))
+
+    saved = lm_bundle(scheduler=None)
+    saved = sw.pipeline(sw.detect())(saved.model, saved.optimizer, saved.loader.loader,
+                                     scheduler=sequential(saved.optimizer, 3))
+    state, _ = train_for(saved, saved.init(), 3)
+    sw.save(tmp_path, saved, state)
+    other = lm_bundle(scheduler=None)
+    other = sw.pipeline(sw.detect())(other.model, other.optimizer, other.loader.loader,
+                                     scheduler=sequential(other.optimizer, 2))
+    before = fingerprint(other)
+    with pytest.raises(CheckpointError, match=r"scheduler: the checkpoint's SequentialLR state "
+                                              r"does not load into this one \(IndexError"):
+        sw.load(tmp_path, other)
+    assert same(before, fingerprint(other))
+    assert all(set(vars(a)) == set(vars(b)) for a, b in zip(
+        other.scheduler._schedulers, sequential(torch.optim.SGD([torch.zeros(1)], lr=1), 2)
+        ._schedulers, strict=True))
+
+
+def test_a_shuffle_changed_mid_epoch_is_refused(tmp_path):
+    bundle = lm_bundle()
+    state, _ = train_for(bundle, bundle.init(), 3)
+    sw.save(tmp_path, bundle, state)
+    other = lm_bundle(shuffle=False)
+    before = fingerprint(other)
+    with pytest.raises(CheckpointError, match="read with shuffle=True, this loader has "
+                                              "shuffle=False"):
+        sw.load(tmp_path, other)
+    assert same(before, fingerprint(other))
+
+
+def test_a_failure_after_the_rename_says_the_checkpoint_was_published(tmp_path, monkeypatch):
+    bundle = build_lm([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+    first = sw.save(tmp_path, bundle, state)
+    real = transaction.write_durably
+
+    def full(path, text):
+        if path.name == "latest":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, text)
+
+    monkeypatch.setattr(transaction, "write_durably", full)
+    state, _ = train_for(bundle, state, 1)
+    with pytest.raises(CheckpointError, match=r"step_00000002 was published \(it loads by its "
+                                              r"path\), but pointing latest at it \(latest still "
+                                              r"names the checkpoint before\) failed: No space"):
+        sw.save(tmp_path, bundle, state)
+    monkeypatch.undo()
+    assert sw.load(tmp_path / "step_00000002", bundle).step == 2
+    assert sw.latest_checkpoint(tmp_path) == first  # as the message says
+
+
+def test_a_save_right_after_loading_an_epoch_start_records_the_epoch_start(tmp_path):
+    bundle = build_lm([], accumulate=1)
+    start = sw.save(tmp_path / "start", bundle, bundle.init())
+    state, _ = train_for(bundle, bundle.init(), 2)
+    sw.save(tmp_path / "mid", bundle, state)
+    again = build_lm([], accumulate=1, batch_size=2)
+    state = sw.load(tmp_path / "mid", again)  # resumed elsewhere in the epoch: another base
+    state, _ = train_for(again, state, 1)
+    state = sw.load(start, again)
+    path = sw.save(tmp_path / "again", again, state)
+    import json
+    assert json.loads((path / "shardwise.json").read_text())["data"]["cursor"] == 0
+
+
+def test_multistep_milestones_survive_a_checkpoint(tmp_path):
+    def run(resume_at=None):
+        bundle = lm_bundle(scheduler=None)
+        scheduler = lr_scheduler.MultiStepLR(bundle.optimizer, milestones=[4, 6], gamma=0.1)
+        bundle = sw.pipeline(sw.detect())(bundle.model, bundle.optimizer, bundle.loader.loader,
+                                          scheduler=scheduler)
+        state, lrs = bundle.init(), []
+        if resume_at is not None:
+            state = sw.load(tmp_path, bundle)
+        while state.step < 8:
+            state, _ = train_for(bundle, state, 1)
+            lrs.append(scheduler.get_last_lr()[0])
+            if state.step == 3 and resume_at is None:
+                sw.save(tmp_path, bundle, state)
+        return lrs
+
+    whole = run()
+    assert run(resume_at=3) == whole[3:]
+
+
+def test_a_symlink_named_like_a_moved_aside_checkpoint_blocks_nothing(tmp_path):
+    bundle = build_lm([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+    sw.save(tmp_path, bundle, state)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / ".old.step_00000001").symlink_to(tmp_path / "elsewhere")
+    sw.save(tmp_path, bundle, state)  # a re-save of step 1
+    assert (tmp_path / "elsewhere").is_dir() and sw.load(tmp_path, bundle).step == 1
+
+
+def test_latest_is_followed_past_step_99999999(tmp_path):
+    bundle = build_lm([], accumulate=1)
+    sw.save(tmp_path, bundle, sw.TrainState(step=100_000_005, micro_step=100_000_005))
+    sw.save(tmp_path, bundle, sw.TrainState(step=100_000_001, micro_step=100_000_001))
+    assert sw.load(tmp_path, bundle).step == 100_000_001  # latest: the rollback
+
+
+def test_a_refused_load_runs_no_optimizer_step_hook(tmp_path):
+    bundle = lm_bundle(scheduler=None)
+    state, _ = train_for(bundle, bundle.init(), 2)
+    sw.save(tmp_path, bundle, state)
+    fresh = lm_bundle()  # a scheduler the checkpoint lacks; a fresh optimizer
+    calls = []
+    fresh.optimizer.register_step_post_hook(lambda *args: calls.append("post"))
+    with pytest.raises(CheckpointError):
+        sw.load(tmp_path, fresh)
+    assert calls == [] and not fresh.optimizer.state
+
+
+def load_with_a_different_view(root):
+    """Rank 1 would find another checkpoint on its own (a writer publishing meanwhile)."""
+    import shardwise.checkpoint.restore as restore
+
+    bundle = build_lm([], accumulate=1)
+    if torch.distributed.get_rank() == 1:
+        restore.candidates = lambda root: iter([root / "step_00000001"])
+    return sw.load(root, bundle).step
+
+
+def test_every_rank_loads_the_checkpoint_rank_0_chose(tmp_path):
+    bundle = build_lm([], accumulate=1)
+    state = bundle.init()
+    for _ in range(2):
+        state, _ = train_for(bundle, state, 1)
+        sw.save(tmp_path, bundle, state)
+    assert run_distributed(load_with_a_different_view, tmp_path) == [2, 2]
+    assert os.path.isdir(tmp_path / "step_00000001")

@@ -1,8 +1,11 @@
 # Fixtures and helpers shared by the test modules (importable from spawned ranks: `conftest`).
 import contextlib
+import copy
 import os
+import random
 import signal
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -115,3 +118,52 @@ def run_property(check, *, long=False):
     chosen = settings(settings.get_profile("long"), database=None) if long else \
         settings(database=None)
     chosen(given(st.data())(check))()
+
+
+# -- what a checkpoint load may change, and a bundle to load into (checkpoint tests) --------
+
+def fingerprint(bundle):
+    """Everything a load may change, as copies: model, optimizer, scheduler, generators,
+    the loader's position, gradients."""
+    optimizer = bundle.optimizer.state_dict()
+    return {
+        "model": {k: v.detach().clone() for k, v in bundle.model.state_dict().items()},
+        "optimizer": {(i, n): t.clone() for i, s in optimizer["state"].items()
+                      for n, t in s.items() if isinstance(t, torch.Tensor)},
+        "groups": copy.deepcopy(optimizer["param_groups"]),
+        "scheduler": copy.deepcopy(bundle.scheduler.state_dict()) if bundle.scheduler else None,
+        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()),
+        "loader": (bundle.loader._next_epoch, bundle.loader._resume_at,
+                   bundle.loader._resume_cursor) if bundle.loader is not None else None,
+        "grads": [None if p.grad is None else p.grad.clone() for p in bundle.model.parameters()],
+    }
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+def lm_bundle(optimizer="adamw", scheduler="step", groups=1, seed=0, size=48, sampler=None,
+              shuffle=True):
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2, dropout=0.1)
+    params = list(model.parameters())
+    param_groups = [{"params": params}] if groups == 1 else [
+        {"params": params[:3]}, {"params": params[3:], "lr": 1e-3}]
+    opt = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[optimizer](param_groups, lr=3e-3)
+    sched = {"step": lambda: torch.optim.lr_scheduler.StepLR(opt, step_size=3),
+             "cosine": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
+             None: lambda: None}[scheduler]()
+    data = sw.testing.SyntheticTokens(size=size, seq_len=8)
+    loader = DataLoader(data, batch_size=4, shuffle=shuffle and sampler is None, drop_last=True,
+                        sampler=sampler(data) if sampler else None)
+    return sw.pipeline(sw.detect(), sw.distribute_data(seed=seed))(model, opt, loader,
+                                                                  scheduler=sched)

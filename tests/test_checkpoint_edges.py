@@ -11,8 +11,7 @@ from shardwise.checkpoint import lock, transaction
 from shardwise.errors import CheckpointError
 from shardwise.testing import run_distributed
 
-from conftest import build_lm, train_for
-from test_checkpoint_loading import fingerprint, lm_bundle, same
+from conftest import build_lm, fingerprint, lm_bundle, same, train_for
 
 
 def test_ctrl_c_while_a_save_clears_debris_never_leaves_the_root_locked(tmp_path, monkeypatch):

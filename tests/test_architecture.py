@@ -227,3 +227,30 @@ def test_module_state_lives_in_named_records():
                                        "setdefault", "remove", "insert"):
                 found += [f"{module_name(path)}: {node.func.value.id}.{node.func.attr}()"]
     assert found == [], found
+
+
+def test_configs_and_the_deepspeed_engine_depend_in_one_direction():
+    """The config readers may build DeepSpeed's transform; DeepSpeed's engine never reads a
+    config format (what both need, like a file named by a key, is in ``_config_source``)."""
+    files = {module_name(p): p for p in SRC.rglob("*.py")}
+    engine = {m for m in files if m.startswith("shardwise.deepspeed_engine")}
+    readers = {m for m in files if m.startswith("shardwise.configs")}
+    back = sorted((m, d) for m in engine for d in imports_of(files[m], files) if d in readers)
+    assert back == [], f"deepspeed_engine imports the config readers: {back}"
+    assert any(d in engine for m in readers for d in imports_of(files[m], files))
+
+
+def test_deepspeed_auto_is_defined_once():
+    """One spelling of DeepSpeed's ``"auto"``, in ``deepspeed_engine/auto.py``, which the
+    config reader and the engine both compare with."""
+    definitions = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and "AUTO" in t.id and not t.id.endswith("NOTICE")
+                    for t in node.targets):
+                definitions.append(f"{module_name(path)}: {ast.unparse(node)[:60]}")
+            if isinstance(node, ast.ClassDef) and node.name.lstrip("_").lower() == "auto" \
+                    and "policies" not in path.name:  # policies.auto() picks blocks: not this
+                definitions.append(f"{module_name(path)}: class {node.name}")
+    assert definitions == ["shardwise.deepspeed_engine.auto: AUTO = 'auto'"], definitions

@@ -265,3 +265,19 @@ def load_source(source: str | os.PathLike[str] | Mapping[str, Any]) -> Source:
     except Exception as exc:  # the parsers raise many types for bad input; each means the same
         raise ConfigError(f"{path} is not valid {kind}: {short(str(exc))}") from None
     return Source(_checked(data, str(path)), str(path), path.parent)
+
+
+def named_source(src: Source, key: str, value: Any) -> Source:
+    """The config file ``src`` names at ``key`` (a path relative to ``src``'s folder), read
+    like any other.
+
+    Raises:
+        ConfigError: naming ``src``'s file and ``key``, and what is wrong with the file.
+    """
+    path = Path(src.text(key, value))
+    if not path.is_absolute() and src.base is not None:
+        path = src.base / path
+    try:
+        return load_source(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{src.origin}: {key}: {exc}") from None

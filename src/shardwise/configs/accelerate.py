@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from shardwise._config_source import Shape, Source, load_source
+from shardwise._config_source import Shape, Source, named_source
 from shardwise.configs.deepspeed import Said, Settings, build, device, merge, positive, read_json, said, stage
 from shardwise.configs.dynamo import dynamo_transforms
 from shardwise.configs.fsdp import fsdp_transforms
@@ -65,14 +64,7 @@ def _block_settings(src: Source, block: dict[str, Any], precision: str) -> Setti
 
 def config_file(src: Source, value: Any) -> Source:
     """The DeepSpeed JSON ``deepspeed_config_file`` names (relative to the YAML's folder)."""
-    key = "deepspeed_config.deepspeed_config_file"
-    path = Path(src.text(key, value))
-    if not path.is_absolute() and src.base is not None:
-        path = src.base / path
-    try:
-        return load_source(path)
-    except ConfigError as exc:
-        raise ConfigError(f"{src.origin}: {key}: {exc}") from None
+    return named_source(src, "deepspeed_config.deepspeed_config_file", value)
 
 
 def _deepspeed_block(src: Source, block: dict[str, Any], precision: str,

@@ -16,7 +16,7 @@ import attrs
 
 from shardwise._config_source import Shape, Source, short
 from shardwise.bundle import Bundle
-from shardwise.deepspeed_engine.auto import check_total
+from shardwise.deepspeed_engine.auto import AUTO, check_total
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConfigError
 from shardwise.transforms.accumulation import accumulate_gradients
@@ -63,14 +63,6 @@ _PRECISION_TUNING: dict[str, dict[str, Shape]] = {
 _AUTO_NOTICE = ("fp16", "bf16", "steps", "clipping")
 
 
-class _Auto:
-    """The value of a setting a DeepSpeed config leaves ``"auto"``."""
-
-    def __repr__(self) -> str:
-        return "'auto'"
-
-
-AUTO: Any = _Auto()
 
 
 @attrs.frozen
@@ -98,7 +90,7 @@ def said(src: Source, key: str, value: Any, read: Callable[[Source, str, Any], A
     ``"auto"`` kept as AUTO where DeepSpeed takes it."""
     if value is None:
         return None
-    if auto and isinstance(value, str) and value == "auto":
+    if auto and isinstance(value, str) and value == AUTO:
         return Said(key, AUTO, value, src.origin)
     return Said(key, read(src, key, value), value, src.origin)
 
@@ -197,7 +189,7 @@ def merge(mine: Settings, theirs: Settings) -> Settings:
     the file leaves out or ``"auto"`` is the block's; one both say must agree."""
     for name, own in mine.items():
         other = theirs.get(name)
-        if other is not None and other.value is not AUTO and other.value != own.value:
+        if other is not None and other.value != AUTO and other.value != own.value:
             raise ConfigError(f"{own.origin}: {own} contradicts {other} in {other.origin}; "
                               f"set it in one place (or \"auto\" in {other.origin})")
     return {**theirs, **mine}
@@ -205,7 +197,7 @@ def merge(mine: Settings, theirs: Settings) -> Settings:
 
 def _value(settings: Settings, name: str, default: Any) -> Any:
     found = settings.get(name)
-    return default if found is None or found.value is AUTO else found.value
+    return default if found is None or found.value == AUTO else found.value
 
 
 def _make(setting: Said, factory: Callable[..., T], *args: Any) -> T:
@@ -243,7 +235,7 @@ def build(src: Source, settings: Settings, env: Env) -> list[Transform]:
     if _value(settings, "clipping", 0.0) > 0:
         out.append(_make(settings["clipping"], clip_gradients, settings["clipping"].value))
     for name in _AUTO_NOTICE:
-        if name in settings and settings[name].value is AUTO:
+        if name in settings and settings[name].value == AUTO:
             src.notice(settings[name].key, "is 'auto': left to the pipeline's default",
                        origin=settings[name].origin)
     check = _batch_check(settings, steps, env)

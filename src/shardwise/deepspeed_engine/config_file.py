@@ -13,8 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from shardwise._config_source import Source, load_source
-from shardwise.configs.accelerate import config_file
+from shardwise._config_source import Source, load_source, named_source
 from shardwise.errors import ConfigError
 
 __all__ = ["engine_config"]
@@ -41,7 +40,8 @@ def _from_yaml(src: Source) -> dict[str, Any]:
     config: dict[str, Any] = {}
     named = block.get("deepspeed_config_file")
     if named is not None:  # relative to the YAML's folder, as the native reader reads it
-        config = copy.deepcopy(dict(config_file(src, named).data))
+        config = copy.deepcopy(dict(named_source(src, "deepspeed_config.deepspeed_config_file",
+                                                 named).data))
     for key, target in _BLOCK.items():
         if block.get(key) is not None:
             _put(config, target, block[key])

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 import torch
 
+from shardwise import precision
 from shardwise._params import refuse_state
 from shardwise._text import short
 from shardwise.bundle import Bundle
@@ -54,12 +55,8 @@ def _defaults(env: Env, given: list[Transform]) -> list[Step]:
     # a DeepSpeed config decides the precision itself: no default beside it
     decided = any(getattr(t, "decides_precision", False) for t in given)
     if not decided and not any(isinstance(t, MixedPrecision) for t in given):
-        if env.device.type == "cuda" and "bf16" in env.precisions:
-            chosen.append(Step(mixed_precision("bf16"), "default",
-                               f"default: {env.device} computes bf16 natively"))
-        else:
-            chosen.append(Step(mixed_precision("fp32"), "default",
-                               f"default: {env.device} has no fast native bf16"))
+        name, reason = precision.default(env.device, env.precisions)
+        chosen.append(Step(mixed_precision(name), "default", reason))
     if not any(isinstance(t, Place) for t in given):
         chosen.append(Step(place(), "default"))
     if not any(isinstance(t, DistributeData) for t in given):

@@ -19,8 +19,8 @@ import torch
 from shardwise._text import short
 from shardwise.errors import PrecisionError
 
-__all__ = ["Precision", "NAMES", "dtype", "parse", "supported", "check", "autocast",
-           "fsdp_policy", "grad_scaler", "describe"]
+__all__ = ["Precision", "NAMES", "TRAINER_DEFAULT", "dtype", "parse", "supported", "default",
+           "check", "autocast", "fsdp_policy", "grad_scaler", "describe"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 #: The accepted names, in the order they are listed to users.
@@ -52,6 +52,18 @@ def supported(device: torch.device) -> tuple[Precision, ...]:
         return ("fp32", "bf16", "fp16")
     # fp16 autocast on a CPU is slow and GradScaler's fp16 path is not supported there
     return ("fp32", "bf16")
+
+
+#: What a Transformers ``TrainingArguments`` trains in when neither ``bf16`` nor ``fp16`` is set.
+TRAINER_DEFAULT: Precision = "fp32"
+
+
+def default(device: torch.device, precisions: tuple[str, ...]) -> tuple[Precision, str]:
+    """The precision a pipeline trains in when none is given, and why: bf16 on a CUDA device
+    that computes it natively, else fp32 (a CPU's bf16 autocast is slower than fp32)."""
+    if device.type == "cuda" and "bf16" in precisions:
+        return "bf16", f"default: {device} computes bf16 natively"
+    return "fp32", f"default: {device} has no fast native bf16"
 
 
 def check(precision: Precision, *, device: torch.device, precisions: tuple[str, ...],

@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from shardwise import precision
 from shardwise._config_source import Source, load_source, short
 from shardwise.configs import ddp_settings
 from shardwise.configs.deepspeed import BatchCheck, Said, build, merge, read_json
@@ -82,8 +83,8 @@ def deepspeed_transforms(src: Source, a: dict[str, Any], env: Env) -> list[Trans
                 "micro": mine("per_device_train_batch_size", src.integer(
                     "per_device_train_batch_size", a["per_device_train_batch_size"], 1))}
     out = build(src, merge(settings, theirs), env)
-    if not any(isinstance(t, MixedPrecision) for t in out):  # the Trainer's default: fp32
-        out.append(mixed_precision("fp32"))
+    if not any(isinstance(t, MixedPrecision) for t in out):
+        out.append(mixed_precision(precision.TRAINER_DEFAULT))
     return out
 
 
@@ -128,7 +129,7 @@ def deepspeed_engine_transforms(src: Source, a: dict[str, Any]) -> list[Transfor
         raise ConfigError(f"{src.origin}: bf16=True and fp16=True; choose one")
     out: list[Transform] = [
         deepspeed(config, source=where),
-        mixed_precision("bf16" if bf16 else "fp16" if fp16 else "fp32")]
+        mixed_precision("bf16" if bf16 else "fp16" if fp16 else precision.TRAINER_DEFAULT)]
     if steps > 1:
         out.append(accumulate_gradients(steps))
     if said("gradient_clipping") == AUTO and clip > 0:

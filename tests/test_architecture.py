@@ -254,3 +254,30 @@ def test_deepspeed_auto_is_defined_once():
                     and "policies" not in path.name:  # policies.auto() picks blocks: not this
                 definitions.append(f"{module_name(path)}: class {node.name}")
     assert definitions == ["shardwise.deepspeed_engine.auto: AUTO = 'auto'"], definitions
+
+
+def test_no_caller_tells_where_an_error_came_from_by_its_text():
+    """Where an error came from travels as data (``ShardwiseError.origin``), never found by
+    searching or rewriting its message."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = ast.unparse(node) if isinstance(node, (ast.Compare, ast.Call)) else ""
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn))
+                                                     for op in node.ops) and "str(exc)" in text:
+                found.append(f"{module_name(path)}: {text[:80]}")
+            if isinstance(node, ast.Call) and text.startswith("str(exc).replace"):
+                found.append(f"{module_name(path)}: {text[:80]}")
+    assert found == [], found
+
+
+def test_a_config_error_carries_its_origin():
+    from shardwise.errors import ConfigError
+
+    try:
+        sw.from_training_args({"ddp_timeout": -1})
+    except ConfigError as exc:
+        assert exc.origin == "training arguments <mapping>"
+        assert str(exc).startswith("training arguments <mapping>: ddp_timeout=-1")
+    else:
+        raise AssertionError("ddp_timeout=-1 was accepted")

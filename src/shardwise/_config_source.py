@@ -40,7 +40,7 @@ class Source:
 
     def fail(self, key: str, value: Any, accepted: str) -> ConfigError:
         """The error for ``key=value``, naming what is accepted."""
-        return ConfigError(f"{self.origin}: {key}={short(value)} is not accepted; accepted: "
+        return ConfigError.at(self.origin, f"{key}={short(value)} is not accepted; accepted: "
                            f"{accepted}")
 
     def notice(self, key: str, why: str, origin: str | None = None) -> None:
@@ -57,7 +57,7 @@ class Source:
         if unknown:
             shown = ", ".join(short(k) for k in unknown[:5]) + (", ..." if unknown[5:] else "")
             place = f" in {where}" if where else ""
-            raise ConfigError(f"{self.origin}: unknown key(s) [{shown}]{place}; accepted: "
+            raise ConfigError.at(self.origin, f"unknown key(s) [{shown}]{place}; accepted: "
                               f"{sorted(known)}")
 
     def mapping(self, key: str, value: Any,
@@ -137,7 +137,7 @@ class Source:
         try:
             return factory(*args, **kwargs)
         except ArgumentError as exc:
-            raise ConfigError(f"{self.origin}: {key}={short(value)} is not accepted: {exc}") \
+            raise ConfigError.at(self.origin, f"{key}={short(value)} is not accepted: {exc}") \
                 from None
 
 
@@ -198,7 +198,7 @@ def _check_names(value: Any, origin: str) -> None:
     if isinstance(value, Mapping):
         for key, child in value.items():
             if not isinstance(key, str):
-                raise ConfigError(f"{origin}: the key {short(key)} is not a string; config "
+                raise ConfigError.at(origin, f"the key {short(key)} is not a string; config "
                                   "keys are names")
             _check_names(child, origin)
     elif isinstance(value, (list, tuple)):
@@ -280,4 +280,4 @@ def named_source(src: Source, key: str, value: Any) -> Source:
     try:
         return load_source(path)
     except ConfigError as exc:
-        raise ConfigError(f"{src.origin}: {key}: {exc}") from None
+        raise ConfigError.at(src.origin, f"{key}: {exc}") from None

@@ -63,9 +63,9 @@ def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = Non
     try:
         return assemble(config.env, [], config, notes=notes)
     except ShardwiseError as exc:  # what the config asks for, refused by this env
-        if config.origin in str(exc):
+        if exc.origin is not None:  # it says where already
             raise
-        raise ConfigError(f"{config.origin}: {exc}") from exc
+        raise ConfigError.at(config.origin, f"{exc}") from exc
 
 
 def from_ddp_args(*, ddp_backend: str | None = None,
@@ -132,9 +132,9 @@ def from_training_args(args: Any, *, env: Env | None = None, engine: str = "nati
         return assemble(env, [], config, reason=f"from {settings.origin}",
                         fit_options=settings.fit_options)
     except ShardwiseError as exc:
-        if settings.origin in str(exc):
+        if exc.origin is not None:  # it says where already
             raise
-        raise ConfigError(f"{settings.origin}: {exc}") from exc
+        raise ConfigError.at(settings.origin, f"{exc}") from exc
 
 
 def _deepspeed_engine(source: str | Path | Mapping[str, Any], env: Env | None) -> Pipeline:

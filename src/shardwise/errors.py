@@ -28,7 +28,14 @@ __all__ = [
 
 
 class ShardwiseError(Exception):
-    """Base class of every error shardwise raises on purpose."""
+    """Base class of every error shardwise raises on purpose.
+
+    ``origin`` names the config (a file, ``"training arguments"``) the error is about, when
+    it is about one and its message already says so; None otherwise. Callers that add where
+    an error came from ask it instead of reading the message.
+    """
+
+    origin: str | None = None
 
 
 class ArgumentError(ShardwiseError, TypeError, ValueError):
@@ -95,3 +102,10 @@ class CheckpointError(ShardwiseError, ValueError):
 
 class ConfigError(ShardwiseError, ValueError):
     """A config file (Accelerate, DeepSpeed, FSDP) holds a key or value shardwise cannot take."""
+
+    @classmethod
+    def at(cls, origin: str, message: str) -> ConfigError:
+        """The error ``"<origin>: <message>"``, carrying ``origin`` as data."""
+        error = cls(f"{origin}: {message}")
+        error.origin = origin
+        return error

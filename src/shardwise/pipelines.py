@@ -344,9 +344,9 @@ def _configured(env: Env, transforms: list[Transform], config: ConfigResult, ori
         return assemble(env, transforms, config, on_nonfinite=on_nonfinite, reason=reason,
                         notes=notes)
     except ShardwiseError as exc:
-        if config.origin in str(exc) or not config.transforms:
+        if exc.origin is not None or not config.transforms:  # it says where already
             raise
-        raise ConfigError(f"{origin}: {exc}") from exc
+        raise ConfigError.at(origin, f"{exc}") from exc
 
 
 def assemble(env: Env, given: list[Transform], config: ConfigResult | None, *,

@@ -66,7 +66,7 @@ def config_kind(src: Source) -> str:
     if any(k.removeprefix("fsdp_") in FSDP_KEYS for k in keys):
         return "fsdp"
     shown = ", ".join(short(k) for k in sorted(keys)[:8]) + (", ..." if len(keys) > 8 else "")
-    raise ConfigError(f"{src.origin}: cannot tell the format from its keys [{shown}]; "
+    raise ConfigError.at(src.origin, f"cannot tell the format from its keys [{shown}]; "
                       "accepted: an Accelerate config (distributed_type, ...), a DeepSpeed "
                       "config (zero_optimization, ...) or a Transformers fsdp_config")
 
@@ -114,7 +114,7 @@ def _timeout(src: Source, value: Any) -> datetime.timedelta:
     try:
         timeout = Env(timeout=seconds).timeout
     except EnvError as exc:
-        raise ConfigError(f"{src.origin}: ddp_timeout={short(value)} is not accepted: {exc}") \
+        raise ConfigError.at(src.origin, f"ddp_timeout={short(value)} is not accepted: {exc}") \
             from None
     if not timeout:  # under a microsecond, which timedelta rounds to 0
         raise src.fail("ddp_timeout", value, "at least a microsecond")
@@ -124,13 +124,15 @@ def _timeout(src: Source, value: Any) -> datetime.timedelta:
 def ddp_settings(*, ddp_backend: str | None = None,
                  ddp_find_unused_parameters: bool | None = None,
                  ddp_bucket_cap_mb: float | None = None, ddp_timeout: float | None = None,
-                 ddp_broadcast_buffers: bool | None = None) -> tuple[dict[str, Any], Transform]:
+                 ddp_broadcast_buffers: bool | None = None, origin: str = "from_ddp_args()"
+                 ) -> tuple[dict[str, Any], Transform]:
     """Transformers' DDP arguments as (Env overrides, the ``replicate()`` they mean).
 
     Raises:
-        ConfigError: a value of the wrong type or out of range, naming the argument.
+        ConfigError: a value of the wrong type or out of range, naming the argument and
+            ``origin`` (where the arguments came from).
     """
-    src = Source({}, "from_ddp_args()")
+    src = Source({}, origin)
     overrides: dict[str, Any] = {}
     if ddp_backend is not None:
         if not isinstance(ddp_backend, str) or ddp_backend not in _BACKENDS:

@@ -86,7 +86,7 @@ def _deepspeed_block(src: Source, block: dict[str, Any], precision: str,
         try:
             theirs = read_json(inner)
         except ConfigError as exc:
-            raise ConfigError(f"{src.origin}: deepspeed_config.deepspeed_config_file: {exc}") \
+            raise ConfigError.at(src.origin, f"deepspeed_config.deepspeed_config_file: {exc}") \
                 from None
         src.notices += inner.notices
         settings = merge(settings, theirs)
@@ -113,7 +113,7 @@ def _launch(src: Source, cfg: dict[str, Any]) -> None:
     processes = src.integer("num_processes", get("num_processes", 1), 1)
     machines = src.integer("num_machines", get("num_machines", 1), 1)
     if processes % machines:
-        raise ConfigError(f"{src.origin}: num_processes={processes} must be a positive "
+        raise ConfigError.at(src.origin, f"num_processes={processes} must be a positive "
                           f"multiple of num_machines={machines} (processes are spread evenly)")
     src.integer("machine_rank", get("machine_rank", 0), 0, machines - 1)
     src.integer("main_process_port", get("main_process_port", 0), 0, 65535)
@@ -157,7 +157,7 @@ def _parallelism(src: Source, mesh: dict[str, Any], out: list[Transform], kind: 
     """The ``parallelism_config`` block; as Accelerate, only beside FSDP version 2."""
     version = fsdp.get("fsdp_version", fsdp.get("version", 1))
     if asks_for_mesh(src, mesh) and (kind != "FSDP" or version != 2):
-        raise ConfigError(f"{src.origin}: parallelism_config needs distributed_type: FSDP with "
+        raise ConfigError.at(src.origin, f"parallelism_config needs distributed_type: FSDP with "
                           f"fsdp_config.fsdp_version: 2, as in Accelerate (got distributed_type="
                           f"{kind}, fsdp_version={version!r})")
     return parallelism_transforms(src, mesh, out, env)

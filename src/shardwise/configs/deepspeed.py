@@ -131,7 +131,7 @@ def _zero(src: Source, cfg: Mapping[str, Any]) -> list[Said | None]:
             "counterpart")
     for new, old in _ALIASES:  # shapes checked above: both are booleans
         if new in zero and old in zero and src.boolean(new, zero[new]) != src.boolean(old, zero[old]):
-            raise ConfigError(f"{src.origin}: zero_optimization.{new}={short(zero[new])} and "
+            raise ConfigError.at(src.origin, f"zero_optimization.{new}={short(zero[new])} and "
                               f"zero_optimization.{old}={short(zero[old])} contradict each other "
                               "(the same setting under its new and old names); keep one")
     out = [said(src, "zero_optimization.stage", zero.get("stage"), stage, False)]
@@ -155,7 +155,7 @@ def _precisions(src: Source, cfg: Mapping[str, Any]) -> list[Said | None]:
                 "tuning: mixed_precision() uses torch.amp (a GradScaler for fp16)")
         out.append(said(src, f"{name}.enabled", block.get("enabled"), Source.boolean))
     if all(s is not None and s.value is True for s in out):
-        raise ConfigError(f"{src.origin}: fp16.enabled and bf16.enabled are both true; "
+        raise ConfigError.at(src.origin, "fp16.enabled and bf16.enabled are both true; "
                           "enable one")
     return out
 
@@ -190,7 +190,7 @@ def merge(mine: Settings, theirs: Settings) -> Settings:
     for name, own in mine.items():
         other = theirs.get(name)
         if other is not None and other.value != AUTO and other.value != own.value:
-            raise ConfigError(f"{own.origin}: {own} contradicts {other} in {other.origin}; "
+            raise ConfigError.at(own.origin, f"{own} contradicts {other} in {other.origin}; "
                               f"set it in one place (or \"auto\" in {other.origin})")
     return {**theirs, **mine}
 
@@ -205,7 +205,7 @@ def _make(setting: Said, factory: Callable[..., T], *args: Any) -> T:
     try:
         return factory(*args)
     except ArgumentError as exc:
-        raise ConfigError(f"{setting.origin}: {setting} is not accepted: {exc}") from None
+        raise ConfigError.at(setting.origin, f"{setting} is not accepted: {exc}") from None
 
 
 def _sharding(settings: Settings) -> list[Transform]:
@@ -269,7 +269,7 @@ class BatchCheck(Transform):
         micro = self.micro if self.micro is not None else size
         if self.micro is not None and size is not None and size != self.micro:
             auto = ' or "auto"' if self.micro_key.startswith("train_") else ""
-            raise ConfigError(f"{self.origin}: {self.micro_key}={self.micro} but the loader's "
+            raise ConfigError.at(self.origin, f"{self.micro_key}={self.micro} but the loader's "
                               f"batch_size is {size}; build the DataLoader with "
                               f"batch_size={self.micro}, or set {self.micro_key} to {size}{auto}")
         check_total(self.origin, self.total, micro, self.steps, bundle.env.world_size,

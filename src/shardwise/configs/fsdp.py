@@ -52,7 +52,7 @@ def _spellings(src: Source, block: Mapping[str, Any], where: str) -> tuple[dict[
         if value is None:
             continue
         if bare in cfg and not (type(cfg[bare]) is type(value) and cfg[bare] == value):
-            raise ConfigError(f"{src.origin}: {spelled[bare]}={short(cfg[bare])} and "
+            raise ConfigError.at(src.origin, f"{spelled[bare]}={short(cfg[bare])} and "
                               f"{where}{key}={short(value)} contradict each other (the same "
                               "setting, with and without the fsdp_ prefix); keep one")
         cfg.setdefault(bare, value)
@@ -76,7 +76,7 @@ def _wrap_kind(src: Source, cfg: dict[str, Any], name: Names, size: int | None) 
     if "auto_wrap_policy" in cfg:
         return src.choice(name("auto_wrap_policy"), cfg["auto_wrap_policy"], _WRAPS)
     if size and "transformer_layer_cls_to_wrap" in cfg:
-        raise ConfigError(f"{src.origin}: {name('min_num_params')}={size} and "
+        raise ConfigError.at(src.origin, f"{name('min_num_params')}={size} and "
                           f"{name('transformer_layer_cls_to_wrap')} ask for two wrapping "
                           f"policies (by size and by class); set one, or "
                           f"{name('auto_wrap_policy')}")
@@ -131,14 +131,14 @@ def _strategy(src: Source, cfg: dict[str, Any], name: Names) -> tuple[bool, bool
     elif value is not None:
         reshard = src.boolean(name("reshard_after_forward"), value)
     if len(set(named.values())) > 1:
-        raise ConfigError(f"{src.origin}: {' and '.join(f'{k}={v}' for k, v in named.items())} "
+        raise ConfigError.at(src.origin, f"{' and '.join(f'{k}={v}' for k, v in named.items())} "
                           "contradict each other; set one strategy")
     strategy = next(iter(named.values()), None)
     if strategy == "NO_SHARD":
         return True, False, True
     resharded, hybrid = STRATEGIES.get(strategy or "FULL_SHARD", (True, False))
     if reshard is not None and strategy is not None and reshard != resharded:
-        raise ConfigError(f"{src.origin}: {name('reshard_after_forward')}={reshard} contradicts "
+        raise ConfigError.at(src.origin, f"{name('reshard_after_forward')}={reshard} contradicts "
                           f"{next(iter(named))}={strategy}; set one")
     return (resharded if reshard is None else reshard), hybrid, False
 
@@ -149,7 +149,7 @@ def _offload(src: Source, cfg: dict[str, Any], name: Names) -> str | None:
     offloads = {name(k): src.boolean(name(k), cfg[k]) for k in ("offload_params", "cpu_offload")
                 if k in cfg}
     if len(set(offloads.values())) > 1:
-        raise ConfigError(f"{src.origin}: {' and '.join(f'{k}={v}' for k, v in offloads.items())}"
+        raise ConfigError.at(src.origin, f"{' and '.join(f'{k}={v}' for k, v in offloads.items())}"
                           " contradict each other (the same setting under two names); set one")
     return next((k for k, on in offloads.items() if on), None)
 
@@ -190,7 +190,7 @@ def fsdp_transforms(src: Source, block: Mapping[str, Any], where: str = "") -> l
     out: list[Transform] = []
     if no_shard:  # NO_SHARD: replicate, honouring checkpointing; offload needs sharding
         if offload_key:
-            raise ConfigError(f"{src.origin}: NO_SHARD with {offload_key}=true: offload needs a "
+            raise ConfigError.at(src.origin, f"NO_SHARD with {offload_key}=true: offload needs a "
                               "sharded strategy (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD); "
                               "choose one, or drop the offload")
         out.append(replicate())

@@ -51,7 +51,7 @@ def _spellings(src: Source, block: Mapping[str, Any], where: str) -> dict[str, A
         if value is None:
             continue
         if bare in plain and not (type(plain[bare]) is type(value) and plain[bare] == value):
-            raise ConfigError(f"{src.origin}: {spelled[bare]}={short(plain[bare])} and "
+            raise ConfigError.at(src.origin, f"{spelled[bare]}={short(plain[bare])} and "
                               f"{place}{key}={short(value)} contradict each other (the same "
                               f"setting, with and without the {PREFIX} prefix); keep one")
         plain.setdefault(bare, value)
@@ -76,11 +76,11 @@ def _check_world(src: Source, sizes: dict[str, int], env: Env, where: str) -> No
     product = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"]
     shown = " x ".join(f"{where}{n}={sizes[n]}" for n in SIZES[:3])
     if env.is_distributed and product != env.world_size:
-        raise ConfigError(f"{src.origin}: {shown} = {product} ranks, but this run has "
+        raise ConfigError.at(src.origin, f"{shown} = {product} ranks, but this run has "
                           f"{env.world_size}; the sizes must multiply to the number of processes")
     replicas = sizes["dp_replicate_size"]
     if env.is_distributed and replicas > 1 and replicas != env.num_nodes:
-        raise ConfigError(f"{src.origin}: {where}dp_replicate_size={replicas}, but this "
+        raise ConfigError.at(src.origin, f"{where}dp_replicate_size={replicas}, but this "
                           f"run has {env.num_nodes} node(s); shardwise replicates across nodes "
                           "and shards within one (HSDP): set it to the number of nodes")
 
@@ -118,14 +118,14 @@ def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Tr
         out.append(tensor_parallel(size=tp))
     if shards > 1:
         if isinstance(distribution, Replicate):
-            raise ConfigError(f"{src.origin}: {where}dp_shard_size={shards} needs FSDP "
+            raise ConfigError.at(src.origin, f"{where}dp_shard_size={shards} needs FSDP "
                               "sharding, but the settings replicate the model (DDP, or FSDP's "
                               "NO_SHARD); set FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (fsdp=...)")
         base = distribution if isinstance(distribution, Shard) else shard()
         out.append(attrs.evolve(base, replicate_across_nodes=replicas > 1))
     elif replicas > 1:
         if tp > 1:
-            raise ConfigError(f"{src.origin}: {where}dp_replicate_size={replicas} with "
+            raise ConfigError.at(src.origin, f"{where}dp_replicate_size={replicas} with "
                               f"{where}tp_size={tp} and dp_shard_size=1: beside tensor "
                               "parallelism the data ranks are sharded (FSDP2); set dp_shard_size")
         out.append(replicate())

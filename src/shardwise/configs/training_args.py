@@ -143,7 +143,7 @@ def _accumulation(src: Source, a: dict[str, Any], cfg: dict[str, Any]) -> tuple[
     if kwargs.get("num_steps") is not None:
         given = src.integer(f"{where}.num_steps", kwargs["num_steps"], 1)
         if given != steps:
-            raise ConfigError(f"{src.origin}: {where}.num_steps={given} contradicts "
+            raise ConfigError.at(src.origin, f"{where}.num_steps={given} contradicts "
                               f"gradient_accumulation_steps={steps}; set one")
     if kwargs.get("adjust_scheduler") is not None and \
             not src.boolean(f"{where}.adjust_scheduler", kwargs["adjust_scheduler"]):
@@ -183,11 +183,11 @@ def read_training_args(args: Any, env: Env | None = None,
     steps, sync, each = _accumulation(src, a, accel)
     fsdp = fsdp_block(src, a)
     if engine == "deepspeed" and a["deepspeed"] is None:
-        raise ConfigError(f"{origin}: engine=\"deepspeed\" runs the DeepSpeed config of the "
+        raise ConfigError.at(origin, "engine=\"deepspeed\" runs the DeepSpeed config of the "
                           "deepspeed argument, which is not set")
     if a["deepspeed"] is not None:
         if fsdp is not None:
-            raise ConfigError(f"{origin}: fsdp and deepspeed are both set; choose one")
+            raise ConfigError.at(origin, "fsdp and deepspeed are both set; choose one")
         if mesh and asks_for_mesh(src, mesh, "parallelism_config."):
             raise src.fail("parallelism_config", a["parallelism_config"], "None beside "
                            "deepspeed (its ZeRO stages are the data-parallel dimension)")
@@ -244,7 +244,7 @@ def _mesh_block(src: Source, value: Any) -> dict[str, Any]:
 def _precision(src: Source, a: dict[str, Any]) -> list[Transform]:
     bf16, fp16 = src.boolean("bf16", a["bf16"]), src.boolean("fp16", a["fp16"])
     if bf16 and fp16:
-        raise ConfigError(f"{src.origin}: bf16=True and fp16=True; choose one")
+        raise ConfigError.at(src.origin, "bf16=True and fp16=True; choose one")
     return [mixed_precision("bf16" if bf16 else "fp16" if fp16 else "fp32")]
 
 

@@ -68,7 +68,7 @@ def deepspeed_transforms(src: Source, a: dict[str, Any], env: Env) -> list[Trans
     try:
         theirs = read_json(inner)
     except ConfigError as exc:
-        raise ConfigError(f"{src.origin}: deepspeed: {exc}") from None
+        raise ConfigError.at(src.origin, f"deepspeed: {exc}") from None
     src.notices += inner.notices
 
     def mine(key: str, value: Any) -> Said:
@@ -100,7 +100,7 @@ def deepspeed_engine_transforms(src: Source, a: dict[str, Any]) -> list[Transfor
     try:
         config = engine_config(raw, "deepspeed")
     except ConfigError as exc:
-        raise ConfigError(f"{src.origin}: deepspeed: {exc}") from None
+        raise ConfigError.at(src.origin, f"deepspeed: {exc}") from None
     where = str(raw) if isinstance(raw, (str, Path)) else "the deepspeed mapping"
     steps = src.integer("gradient_accumulation_steps", a["gradient_accumulation_steps"], 1)
     clip = src.number("max_grad_norm", a["max_grad_norm"])
@@ -122,11 +122,11 @@ def deepspeed_engine_transforms(src: Source, a: dict[str, Any]) -> list[Transfor
                                   (("fp16", "enabled"), "fp16", fp16)):
         given = said(*path)
         if given is not None and given != AUTO and given != value:
-            raise ConfigError(f"{src.origin}: {argument}={short(value)} contradicts "
+            raise ConfigError.at(src.origin, f"{argument}={short(value)} contradicts "
                               f"{'.'.join(path)}={short(given)} in {where}; set one (or "
                               "\"auto\" in the file)")
     if bf16 and fp16:
-        raise ConfigError(f"{src.origin}: bf16=True and fp16=True; choose one")
+        raise ConfigError.at(src.origin, "bf16=True and fp16=True; choose one")
     out: list[Transform] = [
         deepspeed(config, source=where),
         mixed_precision("bf16" if bf16 else "fp16" if fp16 else precision.TRAINER_DEFAULT)]
@@ -138,13 +138,10 @@ def deepspeed_engine_transforms(src: Source, a: dict[str, Any]) -> list[Transfor
 
 
 def ddp_overrides(src: Source, a: dict[str, Any]) -> tuple[dict[str, Any], Transform]:
-    try:
-        overrides, replicated = ddp_settings(
-            ddp_backend=a["ddp_backend"], ddp_find_unused_parameters=a["ddp_find_unused_parameters"],
-            ddp_bucket_cap_mb=a["ddp_bucket_cap_mb"], ddp_timeout=a["ddp_timeout"],
-            ddp_broadcast_buffers=a["ddp_broadcast_buffers"])
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("from_ddp_args()", src.origin)) from None
+    overrides, replicated = ddp_settings(
+        ddp_backend=a["ddp_backend"], ddp_find_unused_parameters=a["ddp_find_unused_parameters"],
+        ddp_bucket_cap_mb=a["ddp_bucket_cap_mb"], ddp_timeout=a["ddp_timeout"],
+        ddp_broadcast_buffers=a["ddp_broadcast_buffers"], origin=src.origin)
     if a["ddp_static_graph"] is not None:
         static = src.boolean("ddp_static_graph", a["ddp_static_graph"])
         replicated = attrs.evolve(replicated, static_graph=static)  # type: ignore[misc]
@@ -183,7 +180,7 @@ def load_file(src: Source, key: str, value: Any) -> Source:
     try:
         return load_source(value)
     except ConfigError as exc:
-        raise ConfigError(f"{src.origin}: {key}: {exc}") from None
+        raise ConfigError.at(src.origin, f"{key}: {exc}") from None
 
 
 def per_device_batch(size: int, origin: str = "TrainingArguments") -> BatchCheck:

@@ -69,7 +69,7 @@ def _block(cfg: dict[str, Any], key: str, origin: str) -> dict[str, Any]:
     if block is None:
         block = cfg[key] = {}
     if not isinstance(block, dict):
-        raise ConfigError(f"{origin}: {key}={short(block)}: accepted: a mapping")
+        raise ConfigError.at(origin, f"{key}={short(block)}: accepted: a mapping")
     return block
 
 
@@ -78,7 +78,7 @@ class _Resolver:
         self.cfg, self.origin = cfg, origin
 
     def fail(self, text: str) -> ConfigError:
-        return ConfigError(f"{self.origin}: {text}")
+        return ConfigError.at(self.origin, f"{text}")
 
     def agree(self, key: str, said: Any, given: Any, by: str | None) -> Any:
         """The config's explicit value, or ``given`` where it says ``"auto"`` or nothing; an

@@ -63,6 +63,6 @@ def engine_config(source: Any, kind: str) -> dict[str, Any]:
         return copy.deepcopy(dict(src.data))
     if kind == "accelerate" and str(src.data.get("distributed_type", "")).upper() == "DEEPSPEED":
         return _from_yaml(src)
-    raise ConfigError(f"{src.origin}: engine=\"deepspeed\" runs a DeepSpeed config (a "
+    raise ConfigError.at(src.origin, f"engine=\"deepspeed\" runs a DeepSpeed config (a "
                       "ds_config.json, or an Accelerate config with distributed_type: "
                       f"DEEPSPEED); this is a {kind} config")

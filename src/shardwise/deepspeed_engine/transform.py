@@ -175,7 +175,7 @@ class DeepSpeed(Distribution):
                                 "scheduler block in the config, or drop the optimizer block")
         universal = read.get("checkpoint")
         if isinstance(universal, Mapping) and universal.get("load_universal"):
-            raise ConfigError(f"{self.origin}: checkpoint.load_universal is not supported: "
+            raise ConfigError.at(self.origin, "checkpoint.load_universal is not supported: "
                               "sw.load reads DeepSpeed's own per-rank files (same world size)")
         refuse_state(bundle.optimizer)
         config, precision, steps = resolve(
@@ -196,7 +196,7 @@ class DeepSpeed(Distribution):
                 model_parameters=[p for p in bundle.model.parameters() if p.requires_grad]
                 if own_optimizer else None, config=config, dist_init_required=False)
         except (ValueError, AssertionError) as exc:  # its config checks (pydantic, asserts)
-            raise ConfigError(f"{self.origin}: DeepSpeed refused the config: "
+            raise ConfigError.at(self.origin, f"DeepSpeed refused the config: "
                               f"{str(exc)[:1000]}") from exc
         from shardwise.deepspeed_engine.engine import DeepSpeedEngine
 

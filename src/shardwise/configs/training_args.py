@@ -32,7 +32,6 @@ from shardwise.configs.training_args_fields import (
     ARGUMENTS,
     DEFAULTS,
     NOTICED,
-    markdown_table,
     plain_value,
 )
 from shardwise.configs.training_args_loop import fit_settings
@@ -46,8 +45,7 @@ from shardwise.transforms.data_distribution import distribute_data
 from shardwise.transforms.precision_policy import mixed_precision
 from shardwise.transforms.sharding import Shard
 
-__all__ = ["ARGUMENTS", "DEFAULTS", "TrainingSettings", "read_training_args", "per_device_batch",
-           "markdown_table"]
+__all__ = ["ARGUMENTS", "DEFAULTS", "TrainingSettings", "read_training_args", "per_device_batch"]
 
 
 _ACCELERATOR_KEYS = {"split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DEFAULTS", "ARGUMENTS", "NOTICED", "markdown_table", "plain_value"]
+__all__ = ["DEFAULTS", "ARGUMENTS", "NOTICED", "plain_value"]
 
 #: TrainingArguments' defaults for the fields that have an effect here (checked by a test)
 DEFAULTS: dict[str, Any] = {
@@ -143,12 +143,6 @@ NOTICED: dict[str, str] = {
 }
 ARGUMENTS.update({name: f"a notice when set: {why.removeprefix('is ')}"
                   for name, why in NOTICED.items()})
-
-
-def markdown_table() -> str:
-    """The table of docs/training-args.md: every argument and what it becomes."""
-    rows = [f"| `{name}` | {meaning} |" for name, meaning in ARGUMENTS.items()]
-    return "\n".join(["| argument | what it becomes here |", "|---|---|", *rows])
 
 
 def plain_value(value: Any) -> Any:

@@ -137,7 +137,7 @@ def test_import_shardwise_is_light_and_its_functions_keep_their_names():
     """``import shardwise`` imports no torch (``shardwise --help`` starts at once); importing
     the modules that hold ``fit``, ``pipeline`` and ``export`` leaves them the functions."""
     code = ("import sys, shardwise; assert 'torch' not in sys.modules, 'torch imported'\n"
-            "import shardwise.loop, shardwise.pipelines, shardwise.checkpoint.full_weights\n"
+            "import shardwise.loop, shardwise.configured, shardwise.checkpoint.full_weights\n"
             "import shardwise as sw\n"
             "assert all(callable(f) for f in (sw.fit, sw.pipeline, sw.export))\n"
             "from shardwise.loop import fit\n"
@@ -281,3 +281,14 @@ def test_a_config_error_carries_its_origin():
         assert str(exc).startswith("training arguments <mapping>: ddp_timeout=-1")
     else:
         raise AssertionError("ddp_timeout=-1 was accepted")
+
+
+def test_the_combinator_knows_no_config_format():
+    """``pipelines.py`` (Pipeline, the canonical order, the defaults, ``assemble``) imports no
+    config reader, not even lazily; the entry points that read configs (``pipeline()``,
+    ``from_config``, ...) live in ``configured.py`` above both."""
+    files = {module_name(p): p for p in SRC.rglob("*.py")}
+    readers = sorted(d for d in imports_of(files["shardwise.pipelines"], files)
+                     if d.startswith(("shardwise.configs", "shardwise.deepspeed_engine")))
+    assert readers == []
+    assert "shardwise.pipelines" in imports_of(files["shardwise.configured"], files)

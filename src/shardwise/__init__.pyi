@@ -13,6 +13,7 @@ from shardwise.checkpoint.save_load import save as save
 from shardwise.configured import from_config as from_config
 from shardwise.configured import from_ddp_args as from_ddp_args
 from shardwise.configured import from_training_args as from_training_args
+from shardwise.configured import pipeline as pipeline
 from shardwise.data import to_device as to_device
 from shardwise.deepspeed_engine.transform import deepspeed as deepspeed
 from shardwise.distributed import ensure_process_group as ensure_process_group
@@ -29,7 +30,6 @@ from shardwise.meta_init import init_on_meta as init_on_meta
 from shardwise.metrics import gather_for_metrics as gather_for_metrics
 from shardwise.metrics import reduce as reduce
 from shardwise.pipelines import Pipeline as Pipeline
-from shardwise.pipelines import pipeline as pipeline
 from shardwise.plan import Plan as Plan
 from shardwise.policies import auto as auto
 from shardwise.policies import by_class as by_class

@@ -1,6 +1,8 @@
-# from_config / from_ddp_args: pipelines from the config files and arguments users already have.
-"""Pipelines from configs: the readers in :mod:`shardwise.configs` say what a config means,
-:func:`shardwise.pipelines.assemble` builds the pipeline.
+# pipeline() and from_config / from_ddp_args / from_training_args: every entry point that builds a Pipeline.
+"""Building pipelines: :func:`pipeline` from code (and the config a launcher hands over),
+the others from the config files and arguments users already have. The readers in
+:mod:`shardwise.configs` say what a config means; :func:`shardwise.pipelines.assemble`
+builds the pipeline, which knows nothing of config formats.
 
 Example:
     >>> pipe = sw.from_config("default_config.yaml")
@@ -22,10 +24,90 @@ from shardwise.configs.training_args import read_training_args
 from shardwise.deepspeed_engine.config_file import engine_config
 from shardwise.deepspeed_engine.transform import deepspeed
 from shardwise.env import Env, detect
-from shardwise.errors import ArgumentError, ConfigError, ShardwiseError
+from shardwise.errors import ArgumentError, ConfigError, ConflictError, ShardwiseError
 from shardwise.pipelines import Pipeline, assemble
+from shardwise.state import OnNonFinite, check_on_nonfinite
+from shardwise.transforms.base import Transform
 
-__all__ = ["from_config", "from_ddp_args", "from_training_args"]
+__all__ = ["pipeline", "from_config", "from_ddp_args", "from_training_args"]
+
+
+def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pipeline:
+    """Build a pipeline from at most one :class:`Env` and any transforms, in any order.
+
+    Transforms are sorted into the canonical stages (settings, surgery, distribution,
+    placement, data). What the env needs and the parts do not say is chosen by default:
+    ``replicate()`` for several processes, bf16 on CUDA devices that compute it natively
+    (else fp32), placement, and data distribution when a loader is passed.
+
+    When the env's ``config_path`` is set (``shardwise launch --config_file``, or
+    ``$SHARDWISE_CONFIG_FILE``), the config file's transforms (:func:`shardwise.from_config`)
+    are added, except those the code gives itself (same kind, or another distribution).
+    Started by ``accelerate launch``, the settings it hands over in ``ACCELERATE_*`` /
+    ``FSDP_*`` variables (``Env.accelerate_variables``) are read the same way, as the
+    Accelerate config they came from.
+
+    Args:
+        *parts: an optional :class:`Env` (else :func:`detect` is called) and transforms.
+        on_nonfinite: ``"raise"`` or ``"skip"`` on a non-finite loss/gradient in fp32/bf16.
+
+    Raises:
+        ConflictError: two Envs, a transform given twice, two distribution transforms.
+        PrecisionError: a precision the env's device cannot do.
+        TypeError: a part that is neither an Env nor a transform.
+
+    Example:
+        >>> bundle = sw.pipeline(sw.detect())(model, optimizer, loader)
+    """
+    envs = [p for p in parts if isinstance(p, Env)]
+    transforms = [p for p in parts if isinstance(p, Transform)]
+    for part in parts:
+        if not isinstance(part, (Env, Transform)):
+            raise ArgumentError(f"pipeline() takes an Env and transforms (got {short(part)} of type "
+                                f"{type(part).__name__}); build transforms with sw.replicate(), ...")
+    if len(envs) > 1:
+        raise ConflictError(f"pipeline() got {len(envs)} Envs ({envs[0]!r} and {envs[1]!r}); "
+                            "pass one")
+    check_on_nonfinite(on_nonfinite, "pipeline()")
+    env = envs[0] if envs else detect()
+    if not (env.config_path or env.accelerate_variables):
+        return assemble(env, transforms, None, on_nonfinite=on_nonfinite)
+    # the Accelerate variables' reader (and YAML) is imported only when there is one to read
+    from shardwise.configs.accelerate_env import (
+        ORIGIN,
+        launched_by_accelerate,
+        read_accelerate_variables,
+    )
+
+    if env.config_path:
+        note = (f"config {env.config_path} applied; transforms given in code take precedence "
+                "over it")
+        if launched_by_accelerate(env):
+            note += f"; {ORIGIN} are not applied (the config file is)"
+        return _configured(env, transforms, read_config(env.config_path, env=env),
+                           str(env.config_path), on_nonfinite=on_nonfinite,
+                           reason=f"from config {env.config_path}", notes=(note,))
+    if launched_by_accelerate(env):
+        found, notices = read_accelerate_variables(env)
+        shown = ", ".join(f"{k}={v if len(v) <= 60 else v[:57] + '...'}"
+                          for k, v in env.accelerate_variables)
+        note = f"{ORIGIN} applied ({shown}); transforms given in code take precedence over them"
+        config = ConfigResult(tuple(found), tuple(notices), ORIGIN, "accelerate", env)
+        return _configured(env, transforms, config, f"{ORIGIN} ({shown})",
+                           on_nonfinite=on_nonfinite, reason=f"from {ORIGIN}", notes=(note,))
+    return assemble(env, transforms, None, on_nonfinite=on_nonfinite)
+
+
+def _configured(env: Env, transforms: list[Transform], config: ConfigResult, origin: str, *,
+                on_nonfinite: OnNonFinite, reason: str, notes: tuple[str, ...]) -> Pipeline:
+    """:func:`assemble` with a config; what the env refuses of it names where it came from."""
+    try:
+        return assemble(env, transforms, config, on_nonfinite=on_nonfinite, reason=reason,
+                        notes=notes)
+    except ShardwiseError as exc:
+        if exc.origin is not None or not config.transforms:  # it says where already
+            raise
+        raise ConfigError.at(origin, f"{exc}") from exc
 
 
 def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = None,

@@ -15,15 +15,16 @@ from shardwise import precision
 from shardwise._params import refuse_state
 from shardwise._text import short
 from shardwise.bundle import Bundle
-from shardwise.choice import SAFE_FRACTION, choose_distribution, sample_batch
+from shardwise.choice import choose_distribution, sample_batch
 from shardwise.device_skip import fused_kernel_choice, use_fused_kernel
 from shardwise.distributed import ensure_process_group
-from shardwise.env import Env, detect
-from shardwise.errors import ArgumentError, ConfigError, ConflictError, ShardwiseError
+from shardwise.env import Env
+from shardwise.errors import ArgumentError
+from shardwise.explaining import describe
 from shardwise.mesh import build as build_mesh
 from shardwise.mesh import layout_of as mesh_layout_of
 from shardwise.plan import LossFn, Plan
-from shardwise.state import OnNonFinite, check_on_nonfinite
+from shardwise.state import OnNonFinite
 from shardwise.transforms.base import Stage, Transform, check_combination, plan_of
 from shardwise.transforms.data_distribution import DistributeData, distribute_data
 from shardwise.transforms.placement import Place, place
@@ -32,7 +33,7 @@ from shardwise.transforms.precision_policy import MixedPrecision, mixed_precisio
 if TYPE_CHECKING:
     from shardwise.configs import ConfigResult
 
-__all__ = ["Pipeline", "pipeline", "Step", "Origin", "assemble"]
+__all__ = ["Pipeline", "Step", "Origin", "assemble"]
 
 log = logging.getLogger(__name__)
 
@@ -131,39 +132,10 @@ class Pipeline:
             if optimizer is not None:
                 text += f"\n  optimizer: {self._kernel(model, optimizer)}"
             return text
-        env = self.env
-        plan = plan_of(self.transforms)
-        lines = [f"shardwise pipeline: {env.world_size} process(es) ({env.launcher}), "
-                 f"rank {env.rank}, device {env.device}, backend {env.backend}"]
-        for i, step in enumerate(self.steps, 1):
-            t = step.transform
-            why = f"  [{step.reason}]" if step.reason else ""
-            lines.append(f"  {i}. {t.stage.name.lower():<15} {t!r}{why}")
-            lines.append(f"     {'':<15} -> {t.describe_in(env, plan)}")
-        lines += _mesh_lines(env, self.transforms)
-        if self.choose_distribution:
-            lines.append(f"  distribution: chosen per model when called ({env.world_size} "
-                         "processes, none given): replicate if it fits in "
-                         f"{SAFE_FRACTION:.0%} of device memory, else shard, else shard + "
-                         "checkpoint_activations, else also offload; explain(model) shows it")
-        lines.append(f"  non-finite loss/gradient in fp32/bf16: {self.on_nonfinite}")
-        if self.on_nonfinite == "raise":
-            lines.append("    torch's Adam/AdamW/momentum-free SGD run their fused kernel where "
-                         "you chose no implementation: a non-finite step is skipped on the "
-                         "device and raised by the next step(), an epoch's last step, sw.save, "
-                         "sw.fit or bundle.check(state); no host sync per step (other "
-                         "optimizers read the flag at each optimizer step; explain(model, "
-                         "optimizer) says which)")
-        # where shardwise deliberately differs from Accelerate, explain() says so
-        lines.append("  scheduler: steps once per optimizer step (an Accelerate-prepared one "
-                     "steps once per process per optimizer step)")
-        lines.append("  evaluation: bundle.predict runs at the training precision; a bare "
-                     "model(...) call outside step()/predict() runs without autocast")
-        lines += [f"  notice: {note}" for note in self.notes]
-        if self.fit_options:
-            shown = ", ".join(f"{k}={v!r}" for k, v in self.fit_options.items())
-            lines.append(f"  sw.fit(bundle, **pipe.fit_options): {shown}")
-        return "\n".join(lines)
+        return describe(self.env, [(s.transform, s.reason) for s in self.steps],
+                        choose_distribution=self.choose_distribution,
+                        on_nonfinite=self.on_nonfinite, notes=self.notes,
+                        fit_options=self.fit_options)
 
     def _late_check(self, plan: Plan) -> bool:
         """Whether the step may read the finiteness flag late: "raise", and no fp16 scaler
@@ -220,26 +192,6 @@ class Pipeline:
         return bundle
 
 
-def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
-    """The mesh, its dimensions and why, when the pipeline has more than one."""
-    mesh = mesh_layout_of(env, transforms)
-    if mesh is None or not env.is_distributed:
-        return []
-    data = mesh.data_ranks(env.world_size)
-    return [f"  mesh: {mesh.describe()} over {env.world_size} ranks; tp innermost: the "
-            f"{mesh.tp} ranks of a tensor-parallel group are consecutive (on one node), as "
-            "their collectives run in every layer; data split over "
-            f"{' x '.join(mesh.data_names)} ({data} share(s) of each global batch, rank r "
-            f"reads share r // {mesh.tp})",
-            # where shardwise deliberately differs from torchtitan and Accelerate, it says so
-            "  tensor parallel: parameters outside the plan (norms) stay whole on every rank "
-            "as replicated DTensors, with no sequence or loss parallelism (torchtitan splits "
-            "them): activations around them are whole and results equal one process's; the "
-            "plan is applied to the model you pass (Accelerate has Transformers apply it in "
-            "from_pretrained); every rank starts from rank 0's weights; sw.reduce(x, 'sum') "
-            f"counts each group's value {mesh.tp} times"]
-
-
 def _check_call(model: Any, optimizer: Any, loader: Any, scheduler: Any, loss_fn: Any,
                 eval_loader: Any) -> None:
     """Refuse, before anything changes, what a step would only fail on later."""
@@ -268,85 +220,6 @@ def _check_call(model: Any, optimizer: Any, loader: Any, scheduler: Any, loss_fn
             raise ArgumentError(f"{where}: a scheduler needs the optimizer it schedules")
     if loss_fn is not None and not callable(loss_fn):
         refuse("loss_fn", loss_fn, "a callable (model, batch) -> loss or (loss, num_items)")
-
-
-def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pipeline:
-    """Build a pipeline from at most one :class:`Env` and any transforms, in any order.
-
-    Transforms are sorted into the canonical stages (settings, surgery, distribution,
-    placement, data). What the env needs and the parts do not say is chosen by default:
-    ``replicate()`` for several processes, bf16 on CUDA devices that compute it natively
-    (else fp32), placement, and data distribution when a loader is passed.
-
-    When the env's ``config_path`` is set (``shardwise launch --config_file``, or
-    ``$SHARDWISE_CONFIG_FILE``), the config file's transforms (:func:`shardwise.from_config`)
-    are added, except those the code gives itself (same kind, or another distribution).
-    Started by ``accelerate launch``, the settings it hands over in ``ACCELERATE_*`` /
-    ``FSDP_*`` variables (``Env.accelerate_variables``) are read the same way, as the
-    Accelerate config they came from.
-
-    Args:
-        *parts: an optional :class:`Env` (else :func:`detect` is called) and transforms.
-        on_nonfinite: ``"raise"`` or ``"skip"`` on a non-finite loss/gradient in fp32/bf16.
-
-    Raises:
-        ConflictError: two Envs, a transform given twice, two distribution transforms.
-        PrecisionError: a precision the env's device cannot do.
-        TypeError: a part that is neither an Env nor a transform.
-
-    Example:
-        >>> bundle = sw.pipeline(sw.detect())(model, optimizer, loader)
-    """
-    envs = [p for p in parts if isinstance(p, Env)]
-    transforms = [p for p in parts if isinstance(p, Transform)]
-    for part in parts:
-        if not isinstance(part, (Env, Transform)):
-            raise ArgumentError(f"pipeline() takes an Env and transforms (got {short(part)} of type "
-                                f"{type(part).__name__}); build transforms with sw.replicate(), ...")
-    if len(envs) > 1:
-        raise ConflictError(f"pipeline() got {len(envs)} Envs ({envs[0]!r} and {envs[1]!r}); "
-                            "pass one")
-    check_on_nonfinite(on_nonfinite, "pipeline()")
-    env = envs[0] if envs else detect()
-    if not (env.config_path or env.accelerate_variables):
-        return assemble(env, transforms, None, on_nonfinite=on_nonfinite)
-    # the config readers (and YAML) are imported only when there is a config to read
-    from shardwise.configs import ConfigResult, read_config
-    from shardwise.configs.accelerate_env import (
-        ORIGIN,
-        launched_by_accelerate,
-        read_accelerate_variables,
-    )
-
-    if env.config_path:
-        note = (f"config {env.config_path} applied; transforms given in code take precedence "
-                "over it")
-        if launched_by_accelerate(env):
-            note += f"; {ORIGIN} are not applied (the config file is)"
-        return _configured(env, transforms, read_config(env.config_path, env=env),
-                           str(env.config_path), on_nonfinite=on_nonfinite,
-                           reason=f"from config {env.config_path}", notes=(note,))
-    if launched_by_accelerate(env):
-        found, notices = read_accelerate_variables(env)
-        shown = ", ".join(f"{k}={v if len(v) <= 60 else v[:57] + '...'}"
-                          for k, v in env.accelerate_variables)
-        note = f"{ORIGIN} applied ({shown}); transforms given in code take precedence over them"
-        config = ConfigResult(tuple(found), tuple(notices), ORIGIN, "accelerate", env)
-        return _configured(env, transforms, config, f"{ORIGIN} ({shown})",
-                           on_nonfinite=on_nonfinite, reason=f"from {ORIGIN}", notes=(note,))
-    return assemble(env, transforms, None, on_nonfinite=on_nonfinite)
-
-
-def _configured(env: Env, transforms: list[Transform], config: ConfigResult, origin: str, *,
-                on_nonfinite: OnNonFinite, reason: str, notes: tuple[str, ...]) -> Pipeline:
-    """:func:`assemble` with a config; what the env refuses of it names where it came from."""
-    try:
-        return assemble(env, transforms, config, on_nonfinite=on_nonfinite, reason=reason,
-                        notes=notes)
-    except ShardwiseError as exc:
-        if exc.origin is not None or not config.transforms:  # it says where already
-            raise
-        raise ConfigError.at(origin, f"{exc}") from exc
 
 
 def assemble(env: Env, given: list[Transform], config: ConfigResult | None, *,

@@ -292,3 +292,28 @@ def test_the_combinator_knows_no_config_format():
                      if d.startswith(("shardwise.configs", "shardwise.deepspeed_engine")))
     assert readers == []
     assert "shardwise.pipelines" in imports_of(files["shardwise.configured"], files)
+
+
+def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
+    """Transforms declare the dimensions they run on (``mesh_dims``); only ``mesh.py`` sizes
+    them (``layout``, ``tp_size``) and nothing recognises a transform by its name to do so."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        if module_name(path) == "shardwise.mesh":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                if name in ("layout", "mesh.layout", "tp_size") or name.endswith(".size_for"):
+                    found.append(f"{module_name(path)}: {ast.unparse(node)[:60]}")
+            if isinstance(node, ast.Compare) and "factory_name" in ast.unparse(node) and \
+                    "tensor_parallel" in ast.unparse(node):
+                found.append(f"{module_name(path)}: {ast.unparse(node)[:60]}")
+    assert found == [], found
+    from shardwise.mesh import layout_of
+
+    layout = layout_of(sw.Env(world_size=8, local_world_size=4, num_nodes=2),
+                               [sw.shard(replicate_across_nodes=True), sw.tensor_parallel(size=2)])
+    assert layout.dims == (("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))
+    assert layout_of(sw.Env(world_size=4, local_world_size=4),
+                             [sw.shard()]).dims == (("dp_shard", 4),)

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from shardwise.env import Env
 from shardwise.errors import PolicyError
 from shardwise.memory import estimate_memory
+from shardwise.mesh import layout_of
 from shardwise.transforms.activation_checkpointing import (
     CheckpointActivations,
     checkpoint_activations,
@@ -69,12 +70,13 @@ def choose_distribution(env: Env, given: list[Transform], model: nn.Module,
                         optimizer: torch.optim.Optimizer | None,
                         batch: Any) -> tuple[list[Transform], str]:
     """The distribution transforms for ``model`` under ``env``, and the reason with numbers."""
-    tensor = next((t for t in given if t.factory_name == "tensor_parallel"), None)
+    tensor = next((t for t in given if "tp" in t.mesh_dims()), None)
     if tensor is not None:  # not a memory question: only shard() runs split layers
         chosen = tensor.data_distribution(env)  # type: ignore[attr-defined]
+        mesh = layout_of(env, [tensor])
         return ([chosen] if chosen else []), (
             f"default: tensor_parallel groups leave {env.world_size} / "
-            f"{tensor.size_for(env)} data ranks; DDP cannot run DTensor layers, so shard()")  # type: ignore[attr-defined]
+            f"{mesh.tp if mesh else 1} data ranks; DDP cannot run DTensor layers, so shard()")
     limit = budget(env)
     if limit is None:
         return [replicate()], (f"default: {env.world_size} processes; device memory unknown, "

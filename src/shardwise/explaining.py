@@ -57,7 +57,7 @@ def describe(env: Env, steps: list[tuple[Transform, str | None]], *, choose_dist
 def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
     """The mesh, its dimensions and why, when the pipeline has more than one."""
     mesh = mesh_layout_of(env, transforms)
-    if mesh is None or not env.is_distributed:
+    if mesh is None or "tp" not in dict(mesh.dims):  # data dimensions alone: said by shard()
         return []
     data = mesh.data_ranks(env.world_size)
     return [f"  mesh: {mesh.describe()} over {env.world_size} ranks; tp innermost: the "

@@ -1,8 +1,11 @@
 # The device mesh of a pipeline: its named dimensions, their sizes, and each rank's place in them.
 """One DeviceMesh per pipeline, with named dimensions (``dp_replicate``, ``dp_shard``, ``tp``).
 
-The layout is decided here and nowhere else: the transforms, the data split, the memory
-estimate and ``explain()`` ask :func:`layout`. ``tp`` is the innermost dimension, so the ranks
+The layout is decided here and nowhere else: each transform declares the dimensions it runs
+on (:meth:`~shardwise.transforms.base.Transform.mesh_dims`: ``shard()`` the data dimensions,
+``tensor_parallel`` ``tp``), :func:`layout_of` sizes them (the only place a size is worked
+out), the pipeline builds the one mesh, and the transforms, the data split, the memory
+estimate and ``explain()`` ask it by name. ``tp`` is the innermost dimension, so the ranks
 of one tensor-parallel group are consecutive, on one node when a node holds a multiple of the
 group (their collectives run every layer, the data dimensions' once per step).
 """
@@ -20,7 +23,7 @@ from shardwise.errors import EnvError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MeshLayout", "layout", "layout_of", "build"]
+__all__ = ["MeshLayout", "layout", "layout_of", "tp_size", "build"]
 
 
 @attrs.frozen
@@ -61,8 +64,13 @@ class MeshLayout:
         return " x ".join(f"{name}={size}" for name, size in self.dims)
 
 
+def tp_size(env: Env, asked: int | None) -> int:
+    """Ranks per tensor-parallel group: the size asked for, or (None) the ranks of a node."""
+    return asked if asked is not None else env.local_world_size
+
+
 def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
-           asked: str | None = None) -> MeshLayout:
+           asked: str | None = None, with_tp: bool = True) -> MeshLayout:
     """The mesh for ``env`` with tensor-parallel groups of ``tp`` ranks, the rest data
     parallel (replicated across nodes and sharded within one, when asked).
 
@@ -71,6 +79,7 @@ def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
         tp: ranks per tensor-parallel group.
         replicate_across_nodes: a ``dp_replicate`` dimension of one replica per node.
         asked: how the size was asked for, for messages (default ``size=<tp>``).
+        with_tp: a ``tp`` dimension (of size ``tp``); without one, the data dimensions only.
 
     Raises:
         EnvError: the world (or a node) does not divide into the groups asked for.
@@ -87,29 +96,39 @@ def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
     dims: list[tuple[str, int]] = []
     if replicate_across_nodes:
         per_node = env.local_world_size
-        if env.num_nodes * per_node != world or per_node % tp:
+        if env.num_nodes * per_node != world or per_node % tp or \
+                env.rank != env.node_rank * per_node + env.local_rank:
             raise EnvError(
-                f"a mesh replicated across nodes needs the same number of ranks on every node, "
-                f"a multiple of the tensor-parallel size (got world_size={world}, "
-                f"num_nodes={env.num_nodes}, local_world_size={per_node}, tp={tp})")
+                f"a mesh replicated across nodes (shard(replicate_across_nodes=True)) needs the "
+                f"same number of ranks on every node, numbered node by node, a multiple of the "
+                f"tensor-parallel size (got world_size={world}, num_nodes={env.num_nodes}, "
+                f"local_world_size={per_node}, rank={env.rank}, node_rank={env.node_rank}, "
+                f"local_rank={env.local_rank}, tp={tp}); launch an equal number of processes "
+                "per node, or pass shard() a mesh of your own")
         dims.append(("dp_replicate", env.num_nodes))
         dims.append(("dp_shard", per_node // tp))
     else:
         dims.append(("dp_shard", world // tp))
-    dims.append(("tp", tp))
+    if with_tp:
+        dims.append(("tp", tp))
     return MeshLayout(tuple(dims))
 
 
 def layout_of(env: Env, transforms: Iterable[Any]) -> MeshLayout | None:
-    """The mesh ``transforms`` call for under ``env``: None in one process, or unless one of
-    them is ``tensor_parallel`` (shard() and replicate() alone build their own mesh)."""
-    transforms = list(transforms)
-    tensor = next((t for t in transforms if t.factory_name == "tensor_parallel"), None)
-    if tensor is None or not env.is_distributed:
+    """The one mesh ``transforms`` run on under ``env``: the dimensions they declare
+    (``mesh_dims()``), sized here; None in one process, or when none declares one."""
+    asked: dict[str, int | None] = {}
+    for transform in transforms:
+        for name, size in transform.mesh_dims().items():
+            asked[name] = size if size is not None else asked.get(name)
+    if not asked or not env.is_distributed:
         return None
-    shard = next((t for t in transforms if t.factory_name == "shard"), None)
-    return layout(env, tp=tensor.size_for(env),
-                  replicate_across_nodes=bool(getattr(shard, "replicate_across_nodes", False)))
+    with_tp = "tp" in asked
+    tp = tp_size(env, asked.get("tp")) if with_tp else 1
+    how = None if asked.get("tp") is not None or not with_tp else \
+        f"size=None: the {env.local_world_size} ranks of a node"
+    return layout(env, tp=tp, replicate_across_nodes="dp_replicate" in asked, asked=how,
+                  with_tp=with_tp)
 
 
 def build(env: Env, mesh: MeshLayout) -> DeviceMesh:

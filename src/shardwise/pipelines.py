@@ -154,8 +154,9 @@ class Pipeline:
             return (f"{type(optimizer).__name__} keeps its implementation under "
                     f"{own[0].factory_name}(): the finiteness flag is read on the host at "
                     "each optimizer step")
-        sharded = self.env.is_distributed and any(t.factory_name in ("shard", "tensor_parallel")
-                                                  for t in transforms)
+        # parameters become DTensors on a mesh: the pipeline's, or a shard() of the user's own
+        sharded = self.env.is_distributed and any(
+            t.mesh_dims() or getattr(t, "mesh", None) is not None for t in transforms)
         return fused_kernel_choice(optimizer, model, sharded=sharded)[1]
 
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,

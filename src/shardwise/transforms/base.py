@@ -63,6 +63,12 @@ class Transform:
         """Raise if this transform cannot run under ``env`` (checked when the pipeline is
         built and again when the transform is applied)."""
 
+    def mesh_dims(self) -> dict[str, int | None]:
+        """The mesh dimensions this transform runs on, each with the size it asks for (None:
+        the size :mod:`shardwise.mesh` works out); {} when it needs no mesh. The pipeline
+        builds one mesh from every transform's."""
+        return {}
+
     def needs(self) -> dict[str, str]:
         """Factory names of transforms this one needs beside it, each with what to do."""
         return {}

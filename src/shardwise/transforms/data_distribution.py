@@ -11,7 +11,7 @@ from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader, shard_loader
 from shardwise.env import Env
 from shardwise.errors import DataError
-from shardwise.mesh import MeshLayout, layout
+from shardwise.mesh import MeshLayout, layout_of
 from shardwise.plan import Plan
 from shardwise.transforms._checks import boolean, integer, optional_boolean
 from shardwise.transforms.base import Stage, Transform
@@ -70,9 +70,7 @@ class DistributeData(Transform):
         """The mesh whose data ranks split the data: a tensor-parallel one (else None: all
         ranks read different shares)."""
         tensor = plan.tensor_parallel
-        if tensor is None or not env.is_distributed:
-            return None
-        return layout(env, tp=tensor.size_for(env))
+        return layout_of(env, [tensor]) if tensor is not None else None
 
     def describe_in(self, env: Env, plan: Plan) -> str:
         mesh = self.mesh(env, plan)

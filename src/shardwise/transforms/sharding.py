@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import precision
@@ -16,8 +16,9 @@ from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.engines import Engine, FSDPEngine, LocalEngine
 from shardwise.env import Env
-from shardwise.errors import ArgumentError, ConflictError, EnvError
-from shardwise.mesh import layout
+from shardwise.errors import ArgumentError, ConflictError
+from shardwise.mesh import MeshLayout, layout_of
+from shardwise.mesh import build as build_mesh
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
 from shardwise.plan import Plan
 from shardwise.policies import Policy, select
@@ -28,22 +29,6 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import OffloadPolicy
 
 __all__ = ["Shard", "shard"]
-
-
-def build_mesh(env: Env, replicate_across_nodes: bool) -> DeviceMesh:
-    """A 1-D mesh over all ranks, or (nodes, ranks per node) for hybrid sharding."""
-    if replicate_across_nodes:
-        if env.num_nodes * env.local_world_size != env.world_size or \
-                env.rank != env.node_rank * env.local_world_size + env.local_rank:
-            raise EnvError(
-                f"shard(replicate_across_nodes=True) needs the same number of ranks on every "
-                f"node, numbered node by node (got world_size={env.world_size}, "
-                f"num_nodes={env.num_nodes}, local_world_size={env.local_world_size}, "
-                f"rank={env.rank}, node_rank={env.node_rank}, local_rank={env.local_rank}); "
-                "launch an equal number of processes per node, or pass your own mesh=")
-        return init_device_mesh(env.device.type, (env.num_nodes, env.local_world_size),
-                                mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
 
 
 def _mesh(instance: Any, attribute: Any, value: Any) -> None:
@@ -92,12 +77,23 @@ class Shard(Distribution):
                                 "both); pass a 2-D mesh yourself, or let shard() build it")
     factory_name: ClassVar[str] = "shard"
 
+    def mesh_dims(self) -> dict[str, int | None]:
+        if self.mesh is not None:  # the user's own mesh
+            return {}
+        return {"dp_replicate": None, "dp_shard": None} if self.replicate_across_nodes \
+            else {"dp_shard": None}
+
+    def _layout(self, env: Env, plan: Plan) -> MeshLayout | None:
+        """The pipeline's mesh for this shard() and the plan's tensor_parallel, if any."""
+        return layout_of(env, [self, *([plan.tensor_parallel] if plan.tensor_parallel else [])])
+
     def engine(self, env: Env, plan: Plan) -> Engine:
         """The engine this transform puts in the bundle (settings only, nothing is built)."""
         if not env.is_distributed:
             return LocalEngine()
         tensor = plan.tensor_parallel
-        tp = tensor.size_for(env) if tensor is not None else 1
+        mesh = self._layout(env, plan)
+        tp = mesh.tp if mesh is not None else 1
         return FSDPEngine(world_size=env.world_size, shard_ranks=self.shard_ranks(env, tp),
                           policy=self.policy, reshard_after_forward=self.reshard_after_forward,
                           sync_each_batch=self.sync_each_batch, offload=plan.offload,
@@ -110,19 +106,23 @@ class Shard(Distribution):
                 "needs the pipeline's (dp_shard x tp); leave mesh out, the pipeline builds it"}
 
     def _data_mesh(self, bundle: Bundle) -> DeviceMesh:
-        """The mesh to shard over: the data dimensions of the pipeline's mesh when layers are
-        split across a tensor-parallel group (FSDP2 needs both on one parent mesh), else
-        one over all ranks (or the user's)."""
+        """The mesh to shard over: the data dimensions of the pipeline's one mesh (with split
+        layers, FSDP2 needs them and ``tp`` on one parent mesh), the user's own, or, applied
+        by hand outside a pipeline, the mesh :mod:`shardwise.mesh` lays out for it."""
+        if self.mesh is not None:
+            return self.mesh
         mesh = bundle.mesh
-        if bundle.plan.tensor_parallel is None or mesh is None:
-            return self.mesh or build_mesh(bundle.env, self.replicate_across_nodes)
-        dims = ("dp_replicate", "dp_shard") if self.replicate_across_nodes else ("dp_shard",)
+        if mesh is None:
+            layout = self._layout(bundle.env, bundle.plan)
+            assert layout is not None  # several processes: shard() declares a dimension
+            mesh = build_mesh(bundle.env, layout)
+        dims = tuple(d for d in self.mesh_dims())
         names = mesh.mesh_dim_names or ()
         if any(d not in names for d in dims):
             raise ConflictError(f"{self!r}: the bundle's mesh has dimensions {names}, not "
                                 f"{dims}; pass tensor_parallel and shard to one sw.pipeline(...), "
                                 "which builds the mesh for both")
-        return mesh[dims]
+        return mesh if names == dims else mesh[dims]
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
@@ -168,10 +168,8 @@ class Shard(Distribution):
         return ranks // tp
 
     def describe_in(self, env: Env, plan: Plan) -> str:
-        tensor = plan.tensor_parallel
-        tp = tensor.size_for(env) if tensor is not None else 1
-        if env.is_distributed and tp > 1:
-            mesh = layout(env, tp=tp, replicate_across_nodes=self.replicate_across_nodes)
+        mesh = self._layout(env, plan)
+        if mesh is not None and mesh.tp > 1:
             return (f"FSDP2 fully_shard on blocks chosen by {self.policy!r}, then the root, over "
                     f"the mesh's data dimension(s) {' x '.join(mesh.data_names)} "
                     f"({mesh.data_ranks(env.world_size)} ranks; each tensor-parallel part "

@@ -17,7 +17,7 @@ from shardwise.distributed import ensure_process_group
 from shardwise.engines import Engine, LocalEngine, TPEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import build, layout
+from shardwise.mesh import build, layout_of
 from shardwise.meta_init import is_rank0_weights
 from shardwise.plan import Plan
 from shardwise.tp_plan import (
@@ -114,16 +114,17 @@ class TensorParallel(Transform):
     stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
     factory_name: ClassVar[str] = "tensor_parallel"
 
-    def size_for(self, env: Env) -> int:
-        """Ranks per group under ``env``: ``size``, or the ranks of one node."""
-        return self.size if self.size is not None else env.local_world_size
+    def mesh_dims(self) -> dict[str, int | None]:
+        return {"tp": self.size}
+
+    def _size(self, env: Env) -> int:
+        """Ranks per group under ``env``: the ``tp`` dimension of its mesh (1 in one process)."""
+        mesh = layout_of(env, [self])
+        return mesh.tp if mesh is not None else 1
 
     def check(self, env: Env) -> None:
         """Raises EnvError when the size does not divide the world (several processes)."""
-        if env.is_distributed:
-            asked = None if self.size is not None else \
-                f"size=None: the {env.local_world_size} ranks of a node"
-            layout(env, tp=self.size_for(env), asked=asked)
+        layout_of(env, [self])
 
     def record(self, plan: Plan) -> Plan:
         return attrs.evolve(plan, tensor_parallel=self)
@@ -154,7 +155,7 @@ class TensorParallel(Transform):
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         env, model = bundle.env, bundle.model
-        size = self.size_for(env)
+        size = self._size(env)
         if not env.is_distributed or size == 1:
             return bundle
         if any(is_dtensor(p) for p in model.parameters()) or \
@@ -168,7 +169,10 @@ class TensorParallel(Transform):
         refuse_state(bundle.optimizer)
         chosen = self.resolved(model, size)
         ensure_process_group(env)
-        mesh = bundle.mesh if bundle.mesh is not None else build(env, layout(env, tp=size))
+        layout = layout_of(env, [self])
+        mesh = bundle.mesh if bundle.mesh is not None else build(env, layout) if layout else None
+        if mesh is None:
+            return bundle
         if "tp" not in (mesh.mesh_dim_names or ()) or int(mesh["tp"].size()) != size:
             raise ConflictError(f"{self!r}: the bundle's mesh {mesh} has no 'tp' dimension of "
                                 f"size {size}; let sw.pipeline(...) build it")
@@ -192,20 +196,20 @@ class TensorParallel(Transform):
         ``shard()`` over the ranks the groups leave (DDP cannot run DTensor layers), or
         None when one group spans the world. The one place this is decided: the default
         choice and the memory estimate ask it."""
-        if not env.is_distributed or self.size_for(env) >= env.world_size:
+        if not env.is_distributed or self._size(env) >= env.world_size:
             return None
         return shard()
 
     def engine(self, env: Env) -> Engine:
         """The engine this transform puts in the bundle when no distribution follows it
         (settings only, nothing is built)."""
-        size = self.size_for(env)
+        size = self._size(env)
         if not env.is_distributed or size == 1:
             return LocalEngine()
         return TPEngine(tp=size, tensor_parallel=self)
 
     def describe(self, env: Env) -> str:
-        size = self.size_for(env)
+        size = self._size(env)
         if not env.is_distributed or size == 1:
             return "one rank per group: nothing to split"
         source = "the model's own plan" if self.plan == "auto" else \

@@ -29,7 +29,11 @@ if [ "$gpus" -ge 2 ]; then
 else
   echo "tensor parallel row: skipped, $gpus CUDA device(s) here (tp_check.py needs 2)"
 fi
-if [ "$check" -ne 0 ] || [ "$compare" -ne 0 ] || [ "$tp" -ne 0 ] || [ "$comp" -ne 0 ]; then
-  echo "gpu_check.sh: gpu_check.py exited $check, compare.py exited $compare, tp_check.py exited $tp, compile.py exited $comp" >&2
+# the test tier that needs a GPU (tests/gpu, the gpu marker)
+gputests=0
+echo
+"$PY" -m pytest -q -m gpu tests/gpu || gputests=$?
+if [ "$check" -ne 0 ] || [ "$compare" -ne 0 ] || [ "$tp" -ne 0 ] || [ "$comp" -ne 0 ] || [ "$gputests" -ne 0 ]; then
+  echo "gpu_check.sh: gpu_check.py exited $check, compare.py exited $compare, tp_check.py exited $tp, compile.py exited $comp, tests/gpu exited $gputests" >&2
   exit 1
 fi

@@ -247,7 +247,7 @@ def render() -> str:
     lines = [
         "# API reference", "",
         "<!-- Generated from the docstrings by tools/api_reference.py: do not edit by hand. -->",
-        "Generated from the docstrings (`tests/test_docs.py` fails while it is out of date);",
+        "Generated from the docstrings (`tests/unit/test_docs.py` fails while it is out of date);",
         f"after changing one, regenerate it with `{REGENERATE}`.",
         "Names are reached as `sw.<name>` after `import shardwise as sw`; `sw.testing` is",
         "imported on first use.", "",

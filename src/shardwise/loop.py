@@ -106,7 +106,7 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     if (checkpoint_every is not None or keep_last is not None) and checkpoint_dir is None:
         raise ArgumentError("fit() 'checkpoint_every' and 'keep_last' need a 'checkpoint_dir'")
     if eval_every is not None and eval_fn is None:
-        raise ArgumentError(f"fit() 'eval_every'={eval_every} needs an 'eval_fn' (a callable "
+        raise ArgumentError(f"fit() 'eval_every'={short(eval_every)} needs an 'eval_fn' (a callable "
                             "bundle -> {name: number}) to run")
     if bundle.loader is None:
         raise ArgumentError("fit() needs a bundle with a loader: pass one to the pipeline call")

@@ -292,27 +292,6 @@ def test_explain_names_what_the_step_does_with_the_optimizer():
     assert "FSDP2's DTensor parameters" in sw.pipeline(two, sw.shard()).explain(model, sgd)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.sh)")
-def test_the_default_step_does_not_synchronise_with_the_gpu():
-    import warnings
-
-    model, opt = lm_and_adamw()
-    env = sw.Env(device=torch.device("cuda", 0), precisions=("fp32", "bf16"))
-    bundle = sw.pipeline(env)(model, opt)
-    batches = [{k: v.cuda() for k, v in b.items()} for b in token_batches(6)]
-    state, _ = bundle.step(bundle.init(), batches[0])  # the first step creates state
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for batch in batches[1:]:
-                state, _ = bundle.step(state, batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    assert syncs == [] and bundle.check(state).step == 6
-
-
 def test_an_error_raised_at_the_step_gives_the_state_to_continue_from_too():
     # no fused kernel: the step that saw the value raises itself, its window already cleared
     model, _ = lm_and_adamw()

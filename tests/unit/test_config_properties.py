@@ -8,7 +8,7 @@ either builds, or raises a ``ShardwiseError`` whose message names the file and t
 short excerpt of the value at most); never another exception, never a hang.
 
 The ci profile runs 60 examples a test (derandomized); the long run is
-``HYPOTHESIS_PROFILE=long pytest -m long tests/test_config_properties.py``: 2000 examples of
+``HYPOTHESIS_PROFILE=long pytest -m long tests/unit/test_config_properties.py``: 2000 examples of
 each property.
 """
 import copy

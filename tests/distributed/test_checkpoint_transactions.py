@@ -19,7 +19,7 @@ import shardwise as sw
 from shardwise.checkpoint import integrity, lock
 from shardwise.errors import CheckpointError
 
-from conftest import build_lm, train_for
+from conftest import build_lm, fingerprint, same, train_for
 
 # -- one writer per root ------------------------------------------------------------------
 
@@ -128,12 +128,6 @@ def saved_two(root):
     return bundle, state, first, second
 
 
-def fingerprint(bundle):
-    from test_checkpoint_properties import snapshot
-
-    return snapshot(bundle)
-
-
 def test_a_shard_lost_before_hashing_fails_the_save_and_keep_last_deletes_nothing(
         tmp_path, monkeypatch):
     bundle, state, first, second = saved_two(tmp_path)
@@ -188,7 +182,6 @@ def test_forged_storage_paths_are_refused_before_dcp_opens_a_file(tmp_path, targ
     finally:
         builtins.open, io.open = real_open, real_open
     assert not any("other" in name or "fifo" in name or name == "/dev/zero" for name in opened)
-    from test_checkpoint_properties import same
     assert same(before, fingerprint(bundle))
     assert sw.load(tmp_path / "ckpt", bundle).step == 1  # the root falls back past it
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scale.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
 PARTS = ("params", "grads", "optimizer")
 LLAMA_7B_PARAMS = 6_738_415_616
 

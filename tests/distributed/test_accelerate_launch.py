@@ -14,7 +14,7 @@ from shardwise.testing import free_port
 
 from _jobs import run_jobs
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 BIN = Path(sys.executable).parent
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "fsdp2.yaml").read_text())
 #: what `accelerate launch --config_file examples/fsdp2.yaml` sets (Accelerate 1.16, captured)

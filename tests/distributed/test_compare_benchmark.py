@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
 
 
 def test_quick_compare_writes_the_rows_it_ran(tmp_path):

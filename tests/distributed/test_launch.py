@@ -14,7 +14,7 @@ from shardwise.errors import ConfigError
 
 from _jobs import run_jobs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv):

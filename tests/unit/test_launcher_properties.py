@@ -4,7 +4,7 @@
 ``ShardwiseError`` naming the argument or the variable; never another exception.
 
 The ci profile runs 60 examples a test (derandomized); the long run is
-``HYPOTHESIS_PROFILE=long pytest -m long tests/test_launcher_properties.py``.
+``HYPOTHESIS_PROFILE=long pytest -m long tests/unit/test_launcher_properties.py``.
 """
 import pytest
 from hypothesis import strategies as st

@@ -10,7 +10,7 @@ from shardwise.testing import free_port
 
 from _jobs import run_jobs
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
 
 def run(cmd):

@@ -23,7 +23,7 @@ CPU_ONE = sw.Env()
 CPU_TWO = sw.Env(world_size=2, local_world_size=2)
 GPU_FOUR = sw.Env(world_size=4, local_world_size=4, device="meta",
                   precisions=("fp32", "bf16", "fp16"))
-DOCS = Path(__file__).parent.parent / "docs" / "training-args.md"
+DOCS = Path(__file__).parents[2] / "docs" / "training-args.md"
 
 
 def parts(pipe):

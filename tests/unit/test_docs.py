@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 import shardwise as sw
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "tools"
 GENERATED = "api.md"  # its code blocks are signatures, not programs
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != GENERATED)]

@@ -11,7 +11,7 @@ leaves the bundle exactly as it was. Never another exception, never a hang (an a
 nothing runs on load is held by the forged-payload tests in test_checkpoint.py.
 
 The ci profile runs 60 examples a test (derandomized); the long run is
-``HYPOTHESIS_PROFILE=long pytest -m long tests/test_checkpoint_properties.py``: 2000 examples,
+``HYPOTHESIS_PROFILE=long pytest -m long tests/unit/test_checkpoint_properties.py``: 2000 examples,
 up to three damages at once.
 """
 import copy

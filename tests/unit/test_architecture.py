@@ -155,7 +155,7 @@ def test_one_list_of_public_names_serves_all_and_the_type_checkers_stub():
 
     import shardwise as sw
 
-    tools = Path(__file__).resolve().parents[1] / "tools"
+    tools = Path(__file__).resolve().parents[2] / "tools"
     done = subprocess.run([sys.executable, str(tools / "public_stub.py"), "--check"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -317,3 +317,20 @@ def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
     assert layout.dims == (("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))
     assert layout_of(sw.Env(world_size=4, local_world_size=4),
                              [sw.shard()]).dims == (("dp_shard", 4),)
+
+
+def test_the_test_tiers_are_visible_in_the_layout():
+    """tests/unit starts no process group or job, tests/distributed runs real ranks (gloo on
+    CPU), tests/gpu is behind the ``gpu`` marker; no test module sits outside a tier."""
+    import re
+
+    tests = Path(__file__).resolve().parents[1]
+    assert sorted(p.name for p in tests.iterdir() if p.is_dir() and p.name[0] != "_"
+                  and p.name != "__pycache__") == ["distributed", "gpu", "unit"]
+    assert not list(tests.glob("test_*.py"))
+    starts_ranks = re.compile(r"run_distributed\(|run_jobs\(|os\.fork\(|torch\.distributed\.run")
+    assert [p.name for p in (tests / "unit").glob("test_*.py")
+            if starts_ranks.search(p.read_text())] == []
+    assert all(starts_ranks.search(p.read_text()) or "subprocess" in p.read_text()
+               for p in (tests / "distributed").glob("test_*.py"))
+    assert all("pytest.mark.gpu" in p.read_text() for p in (tests / "gpu").glob("test_*.py"))

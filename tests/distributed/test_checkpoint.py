@@ -642,7 +642,7 @@ def test_a_load_that_fails_reading_tensors_leaves_the_bundle_as_it_was(tmp_path)
     assert after[2] == before[2] and torch.equal(after[3], before[3])
 
 
-# -- found by the property tests (tests/test_checkpoint_properties.py) ----------------------
+# -- found by the property tests (tests/unit/test_checkpoint_properties.py) ----------------------
 
 def two_checkpoints(root):
     """Steps 1 and 2 of a one-process bundle saved in ``root``: the bundle and both paths."""

@@ -84,8 +84,8 @@ def test_a_second_writer_waits_then_is_refused_naming_the_holder_and_a_dead_hold
     try:
         assert holder.stdout.readline().strip() == "held"
         started = time.monotonic()
-        with pytest.raises(CheckpointError, match=rf"pid {holder.pid} on host "
-                                                   rf"{socket.gethostname()}.*within 0.5 s"):
+        with pytest.raises(CheckpointError, match=rf"within 0.5 s .*the last writer was pid "
+                                                   rf"{holder.pid} on host {socket.gethostname()}"):
             lock.acquire(root, wait=0.5)
         assert time.monotonic() - started >= 0.5
         bundle = build_lm([], accumulate=1)
@@ -99,6 +99,29 @@ def test_a_second_writer_waits_then_is_refused_naming_the_holder_and_a_dead_hold
         holder.wait()
     # the kernel released the dead holder's lock: no stale lock to clear by hand
     assert sw.save(root, bundle, state).name == "step_00000001"
+
+
+def test_a_load_holds_the_root_against_another_jobs_save_and_waits_for_one(tmp_path):
+    bundle, state, first, second = saved_two(tmp_path)
+    reading = lock.share(tmp_path)  # as sw.load holds it on rank 0 while the ranks read
+    try:
+        with pytest.raises(CheckpointError, match="saving to or loading from"):
+            lock.acquire(tmp_path, wait=0.3)  # another job's save (and keep_last) waits
+    finally:
+        reading.release()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match=rf"last writer was pid {holder.pid}"):
+            lock.share(tmp_path, wait=0.3)  # a load waits for a save in flight
+        assert time.monotonic() - started >= 0.3
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert sw.load(tmp_path, bundle).step == 2
+    assert lock.share(tmp_path / "nowhere") is None  # a root no save wrote: nothing to hold
 
 
 def test_two_bundles_of_one_process_take_turns(tmp_path):

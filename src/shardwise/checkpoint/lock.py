@@ -33,7 +33,7 @@ from pathlib import Path
 
 from shardwise.errors import CheckpointError
 
-__all__ = ["LOCK", "WAIT_SECONDS", "RootLock", "acquire"]
+__all__ = ["LOCK", "WAIT_SECONDS", "RootLock", "ReadLock", "acquire", "share"]
 
 LOCK = ".shardwise.lock"
 #: how long a second writer waits for the first before it is refused
@@ -88,9 +88,9 @@ def _holder(fd: int) -> str:
 
 def _refused(root: Path, holder: str, wait: float) -> CheckpointError:
     return CheckpointError(
-        f"another writer holds {root / LOCK} ({holder}) and did not finish within {wait:g} s; "
-        "one checkpoint root has one writer: give each job its own directory, or wait for the "
-        "other job's save to end")
+        f"another job is saving to or loading from {root} and did not finish within {wait:g} s "
+        f"({root / LOCK}: the last writer was {holder}); one checkpoint root has one writer: "
+        "give each job its own directory, or wait for the other job to end")
 
 
 def _claim_in_process(root: Path, key: str, deadline: float, wait: float) -> None:
@@ -118,6 +118,51 @@ def _lock_file(root: Path, fd: int, deadline: float, wait: float) -> None:
         if time.monotonic() >= deadline:
             raise _refused(root, _holder(fd), wait)
         time.sleep(_POLL)
+
+
+class ReadLock:
+    """A shared lock of a checkpoint root held while a load reads it: a writer's save (and
+    its ``keep_last``) waits until the readers are done, and a reader waits for a save."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def release(self) -> None:
+        """Give the lock back (once)."""
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+def share(root: Path, wait: float | None = None) -> ReadLock | None:
+    """Lock ``root`` for reading, waiting up to ``wait`` seconds for a writer to finish; None
+    where the root has no lock file (no shardwise save wrote it) or it cannot be opened
+    (a read-only copy): then nothing can write there either.
+
+    Raises:
+        CheckpointError: a writer kept the root longer than ``wait`` (named).
+    """
+    wait = WAIT_SECONDS if wait is None else wait
+    try:
+        fd = os.open(root / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    deadline = time.monotonic() + wait
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return ReadLock(fd)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    return None  # a filesystem without locks: nothing to wait for
+            if time.monotonic() >= deadline:
+                raise _refused(root, _holder(fd), wait)
+            time.sleep(_POLL)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def acquire(root: Path, wait: float | None = None) -> RootLock:

@@ -36,11 +36,12 @@ from shardwise.checkpoint.layout import (
     LATEST,
     META,
     TORCH_FORMAT,
+    is_complete,
     latest_checkpoint,
     rng_file,
     write_durably,
 )
-from shardwise.checkpoint.lock import RootLock, acquire
+from shardwise.checkpoint.lock import RootLock, acquire, share
 from shardwise.checkpoint.restore import (
     check_tensors,
     dcp_quietly,
@@ -333,7 +334,23 @@ def load(directory: str | os.PathLike[str], bundle: Bundle, *,
     """
     skipped = check_skip(skip, bundle.engine.own_checkpoint)
     wait_for_saves()  # a checkpoint being written is published (or failed) first
-    path = intact(Path(directory), bundle)
+    directory = Path(directory)
+    # rank 0 holds the root's lock shared until every rank has read: another job's save (its
+    # keep_last) waits, never deleting what is being read
+    reading = share(directory.parent if is_complete(directory) else directory) \
+        if bundle.env.is_main else None
+    try:
+        state = _load(directory, bundle, skipped)
+        all_agree(bundle.env, True)  # every rank has read its files
+        return state
+    finally:
+        if reading is not None:
+            reading.release()
+
+
+def _load(directory: Path, bundle: Bundle, skipped: frozenset[str]) -> TrainState:
+    """The load itself: find, check, then change (see :func:`load`)."""
+    path = intact(directory, bundle)
     meta, state, rng, position = _checked(path, bundle, skipped)
     optimizer = None if "optimizer" in skipped else bundle.optimizer
     if bundle.engine.own_checkpoint is not None:

@@ -167,3 +167,18 @@ def lm_bundle(optimizer="adamw", scheduler="step", groups=1, seed=0, size=48, sa
                         sampler=sampler(data) if sampler else None)
     return sw.pipeline(sw.detect(), sw.distribute_data(seed=seed))(model, opt, loader,
                                                                   scheduler=sched)
+
+
+# -- a tiny LM and its token batches (the host-sync tests, CPU and GPU) ----------------------
+
+def token_batches(n, seed=0):
+    """``n`` batches of 4 token sequences (vocabulary 64)."""
+    data = SyntheticTokens(size=4 * n, seq_len=8, vocab=64, seed=seed)
+    return list(DataLoader(data, batch_size=4))
+
+
+def lm_and_adamw():
+    """A tiny LM (vocabulary 64) and its AdamW, seeded."""
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=64, dim=16, heads=2, layers=2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)

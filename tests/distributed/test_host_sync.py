@@ -10,15 +10,13 @@ import shardwise as sw
 from shardwise.errors import NonFiniteError
 from shardwise.testing import (
     SyntheticRegression,
-    SyntheticTokens,
     TinyMLP,
-    TinyTransformerLM,
     full_state,
     max_param_diff,
     run_distributed,
 )
 
-from conftest import ONE
+from conftest import ONE, lm_and_adamw, token_batches
 
 #: every way a tensor's value reaches Python: on an accelerator each waits for the device
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
@@ -59,17 +57,6 @@ def reads_per_call(bundle, batches, **step_kwargs):
         late = sum(1 for _, t in seen if pending is not None and t is pending.flag)
         calls.append((out.stepped, late, len(seen) - late))
     return calls, bundle.check(state)
-
-
-def token_batches(n, seed=0):
-    data = SyntheticTokens(size=4 * n, seq_len=8, vocab=64, seed=seed)
-    return list(DataLoader(data, batch_size=4))
-
-
-def lm_and_adamw():
-    torch.manual_seed(0)
-    model = TinyTransformerLM(vocab=64, dim=16, heads=2, layers=2)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def test_the_default_step_reads_only_the_previous_steps_flag():

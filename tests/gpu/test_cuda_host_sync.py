@@ -4,25 +4,14 @@
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 import shardwise as sw
-from shardwise.testing import SyntheticTokens, TinyTransformerLM
+
+from conftest import lm_and_adamw, token_batches
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="needs CUDA (benchmarks/gpu_check.sh)")]
-
-
-def token_batches(n, seed=0):
-    data = SyntheticTokens(size=4 * n, seq_len=8, vocab=64, seed=seed)
-    return list(DataLoader(data, batch_size=4))
-
-
-def lm_and_adamw():
-    torch.manual_seed(0)
-    model = TinyTransformerLM(vocab=64, dim=16, heads=2, layers=2)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def test_the_default_step_does_not_synchronise_with_the_gpu():

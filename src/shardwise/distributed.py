@@ -40,8 +40,6 @@ class _Membership:
         self.started: tuple[dist.ProcessGroup | None, dist.Store] | None = None
         #: where ranks whose collective failed say where they were (None: no group here)
         self.reports: dist.Store | None = None
-        #: set by the excepthook installed with the first group: this rank is failing
-        self.failing: list[BaseException] = []
         #: a gloo group beside the default one, for collectives a background thread runs
         #: (DCP's async save) so that they never interleave with the step's; made on first use
         self.side: dist.ProcessGroup | None = None
@@ -71,15 +69,11 @@ def _exit_barrier(store: dist.Store, rank: int, world_size: int) -> None:
         store.wait(["all_left"], _EXIT_BARRIER)
 
 
-def _note_failure(previous: object) -> object:
-    """An excepthook that records an uncaught exception, then runs ``previous``."""
-
-    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        _MEMBERSHIP.failing.append(exc)
-        previous(kind, exc, tb)  # type: ignore[operator]
-        _record_for_launcher(exc, tb)
-
-    return hook
+def _uncaught() -> BaseException | None:
+    """The exception that ended the script, if one did: Python keeps it in ``sys.last_exc``
+    (``sys.last_value`` before 3.12) before the exit handlers run, so shardwise needs no
+    excepthook of its own."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
 
 
 def _record_for_launcher(exc: BaseException, tb: TracebackType | None) -> None:
@@ -175,14 +169,15 @@ def _shutdown() -> None:
     _MEMBERSHIP.started = None
     if not dist.is_initialized() or dist.group.WORLD is not group:
         return  # the script destroyed (or replaced) the group itself
-    failing = _MEMBERSHIP.failing
-    if failing:
+    failing = _uncaught()
+    if failing is not None:
+        _record_for_launcher(failing, failing.__traceback__)
         log.error("rank %d raised %s: leaving at once, without the exit barrier",
-                  dist.get_rank(), type(failing[0]).__name__)
+                  dist.get_rank(), type(failing).__name__)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         # no group teardown: a peer may hold it in a collective; exit with Python's code
-        os._exit(130 if isinstance(failing[0], KeyboardInterrupt) else 1)
+        os._exit(130 if isinstance(failing, KeyboardInterrupt) else 1)
     try:
         _exit_barrier(store, dist.get_rank(), dist.get_world_size())
     except Exception as exc:  # another rank is gone: leave anyway
@@ -245,7 +240,6 @@ def ensure_process_group(env: Env) -> None:
     record.reports = dist.PrefixStore(f"{scope}/failed", store)
     if record.groups_started == 1:
         atexit.register(_shutdown)
-        sys.excepthook = _note_failure(sys.excepthook)  # type: ignore[assignment]
     record.started = (dist.group.WORLD, exit_store)
 
 

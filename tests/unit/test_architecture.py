@@ -334,3 +334,12 @@ def test_the_test_tiers_are_visible_in_the_layout():
     assert all(starts_ranks.search(p.read_text()) or "subprocess" in p.read_text()
                for p in (tests / "distributed").glob("test_*.py"))
     assert all("pytest.mark.gpu" in p.read_text() for p in (tests / "gpu").glob("test_*.py"))
+
+
+def test_no_module_replaces_interpreter_hooks():
+    """STYLE rule 8: shardwise changes no interpreter-wide hook (``sys.excepthook``); a rank
+    that failed is told by ``sys.last_exc`` when the exit handlers run."""
+    found = [f"{module_name(p)}: {ast.unparse(n)[:60]}" for p in SRC.rglob("*.py")
+             for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Assign)
+             and any(ast.unparse(t).startswith("sys.") for t in n.targets)]
+    assert found == [], found

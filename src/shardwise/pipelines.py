@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import attrs
 import torch
@@ -30,15 +30,26 @@ from shardwise.transforms.data_distribution import DistributeData, distribute_da
 from shardwise.transforms.placement import Place, place
 from shardwise.transforms.precision_policy import MixedPrecision, mixed_precision
 
-if TYPE_CHECKING:
-    from shardwise.configs import ConfigResult
-
-__all__ = ["Pipeline", "Step", "Origin", "assemble"]
+__all__ = ["Pipeline", "Step", "Origin", "Configured", "assemble"]
 
 log = logging.getLogger(__name__)
 
 #: Where a step of a pipeline came from: the code, a default, or a config file.
 Origin = Literal["user", "default", "config"]
+
+
+class Configured(Protocol):
+    """What :func:`assemble` takes of a config (a reader's ``ConfigResult``): its transforms,
+    the notices its reader gave, and the reason its steps show in ``explain()``."""
+
+    @property
+    def transforms(self) -> tuple[Transform, ...]: ...
+
+    @property
+    def notices(self) -> tuple[str, ...]: ...
+
+    @property
+    def reason(self) -> str: ...
 
 
 @attrs.frozen
@@ -223,7 +234,7 @@ def _check_call(model: Any, optimizer: Any, loader: Any, scheduler: Any, loss_fn
         refuse("loss_fn", loss_fn, "a callable (model, batch) -> loss or (loss, num_items)")
 
 
-def assemble(env: Env, given: list[Transform], config: ConfigResult | None, *,
+def assemble(env: Env, given: list[Transform], config: Configured | None, *,
              on_nonfinite: OnNonFinite = "raise", reason: str | None = None,
              notes: tuple[str, ...] = (), fit_options: Mapping[str, Any] | None = None
              ) -> Pipeline:

@@ -22,11 +22,10 @@ def module_name(path):
 
 
 def imports_of(path, modules):
-    """The shardwise modules ``path`` imports, at the top or inside functions alike (imports
-    under ``if TYPE_CHECKING:`` run no code and are not counted)."""
+    """The shardwise modules ``path`` imports, at the top, inside functions and under
+    ``if TYPE_CHECKING:`` alike (a type-only import still ties the two modules together)."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    skip: set[int] = set()
     found = set()
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     for node in ast.walk(tree):

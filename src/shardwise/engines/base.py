@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -16,9 +16,6 @@ from shardwise._params import is_dtensor
 from shardwise.env import Env
 from shardwise.errors import CheckpointError, ConflictError
 from shardwise.state import TrainState
-
-if TYPE_CHECKING:
-    from shardwise.step import Stepper
 
 __all__ = ["Engine", "MemoryParts", "NoSync", "state_bytes", "split_optimizer",
            "set_hyperparameters"]
@@ -155,7 +152,7 @@ class Engine:
         for name, value in self.unwrap(model).state_dict().items():
             yield name, self.full(value)
 
-    def stepper(self) -> type[Stepper] | None:
+    def stepper(self) -> Callable[..., Any] | None:
         """The step class of an engine that drives training itself (DeepSpeed), else None
         (the shared :class:`~shardwise.step.Stepper`)."""
         return None

@@ -46,9 +46,10 @@ class ResumableSampler(DistributedSampler[Any]):
             return torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
         return list(range(len(self.dataset)))  # type: ignore[arg-type]
 
-    def remaining(self) -> int:
-        """Samples this rank reads in the epoch from ``cursor`` on."""
-        rest = max(0, len(self.dataset) - self.cursor)  # type: ignore[arg-type]
+    def remaining(self, cursor: int | None = None) -> int:
+        """Samples this rank reads in the epoch from ``cursor`` (default: its own) on."""
+        start = self.cursor if cursor is None else cursor
+        rest = max(0, len(self.dataset) - start)  # type: ignore[arg-type]
         if self.drop_last:
             return rest // self.num_replicas
         return -(-rest // self.num_replicas)
@@ -126,6 +127,11 @@ class DeviceLoader:
     def _batch_size(self) -> int:
         return getattr(self.loader, "batch_size", None) or 1
 
+    def _batches(self, samples: int) -> int:
+        """Batches this rank's loader makes of ``samples`` (its drop_last counted)."""
+        size = self._batch_size()
+        return samples // size if getattr(self.loader, "drop_last", False) else -(-samples // size)
+
     def cursor(self, epoch: int, batch_in_epoch: int) -> int | None:
         """The samples of epoch ``epoch``'s order read by every rank together after this rank
         handed out ``batch_in_epoch`` batches of it (None: the sampler is not shardwise's)."""
@@ -177,12 +183,7 @@ class DeviceLoader:
                 "epoch end")
         if cursor is None:
             cursor = batch_in_epoch * self._batch_size() * sampler.num_replicas
-        per_rank = max(0, size - cursor)
-        per_rank = per_rank // sampler.num_replicas if sampler.drop_last \
-            else -(-per_rank // sampler.num_replicas)
-        size_of = self._batch_size()
-        left = per_rank // size_of if getattr(self.loader, "drop_last", False) \
-            else -(-per_rank // size_of)
+        left = self._batches(sampler.remaining(cursor))
         length = self.epoch_length()
         if left == 0 or length is None:
             return epoch + 1, 0, 0
@@ -207,10 +208,7 @@ class DeviceLoader:
         loader has no length."""
         sampler = self.sampler
         if isinstance(sampler, ResumableSampler):
-            size = getattr(self.loader, "batch_size", None) or 1
-            samples = sampler.num_samples
-            return samples // size if getattr(self.loader, "drop_last", False) \
-                else -(-samples // size)
+            return self._batches(sampler.num_samples)
         try:
             return len(self.loader)  # type: ignore[arg-type]
         except TypeError:

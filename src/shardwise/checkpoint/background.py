@@ -34,9 +34,8 @@ import torch.distributed as dist
 
 from shardwise._text import short
 from shardwise.checkpoint import integrity
-from shardwise.checkpoint.layout import write_durably
 from shardwise.checkpoint.lock import RootLock
-from shardwise.checkpoint.transaction import PublishedError, publish
+from shardwise.checkpoint.transaction import PublishedError, seal_and_publish
 from shardwise.distributed import joined, side_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, CheckpointError
@@ -302,13 +301,9 @@ def _publish(env: Env, root: Path, tmp: Path, final: Path, step: int, keep_last:
     if errors:
         shutil.rmtree(tmp, ignore_errors=True)
         return _unpublished(root, final, "; ".join(errors))
-    written: integrity.Written = {}
-    for outcome in outcomes:
-        written.update({name: (sha, size) for name, (sha, size) in outcome["digests"].items()})
+    written = integrity.merged([outcome["digests"] for outcome in outcomes])
     try:
-        manifest, sizes = integrity.manifest_of(tmp, env.world_size, written)
-        write_durably(tmp / integrity.MANIFEST, json.dumps(manifest, indent=1))
-        publish(root, tmp, final, step, keep_last, sizes)
+        seal_and_publish(root, tmp, final, step, keep_last, env.world_size, written)
     except PublishedError as exc:
         return str(exc)
     except OSError as exc:

@@ -30,7 +30,7 @@ from shardwise.checkpoint.layout import MANIFEST, META, RNG, open_regular, read_
 from shardwise.env import Env
 from shardwise.errors import CheckpointError
 
-__all__ = ["MANIFEST", "Written", "digests_of", "gather_written", "manifest_of", "required",
+__all__ = ["MANIFEST", "Written", "digests_of", "merged", "gather_written", "manifest_of", "required",
            "verify", "digest_in", "sealed"]
 
 log = logging.getLogger("shardwise.checkpoint")
@@ -44,9 +44,10 @@ _CHUNK = 8 * 2**20
 _MAX_MANIFEST_BYTES = 64 * 2**20
 
 
-def _digest(path: Path) -> str:
+def _digest(path: Path, *, follow: bool = True, below: Path | None = None) -> str:
+    """The SHA-256 of the regular file ``path`` (see :func:`open_regular`)."""
     sha = hashlib.sha256()
-    with open_regular(path) as stream:
+    with open_regular(path, follow=follow, below=below) as stream:
         while chunk := stream.read(_CHUNK):
             sha.update(chunk)
     return sha.hexdigest()
@@ -86,12 +87,17 @@ def sealed(files: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
-def gather_written(env: Env, mine: Written) -> Written:
-    """Every rank's reports (a collective); what rank 0 builds the manifest from."""
+def merged(parts: list[Any]) -> Written:
+    """The ranks' reports as one (each a mapping of name -> (digest, size), as sent)."""
     every: Written = {}
-    for part in _gathered(env, mine):
+    for part in parts:
         every.update({name: (str(sha), int(size)) for name, (sha, size) in part.items()})
     return every
+
+
+def gather_written(env: Env, mine: Written) -> Written:
+    """Every rank's reports (a collective); what rank 0 builds the manifest from."""
+    return merged(_gathered(env, mine))
 
 
 def required(root: Path, world_size: int, written: Written, own: str | None) -> set[str]:
@@ -190,11 +196,7 @@ def digest_in(path: Path, name: str) -> str:
     Raises:
         OSError: a component is a symlink (ELOOP), or the file is not a regular file.
     """
-    sha = hashlib.sha256()
-    with open_regular(path / name, follow=False, below=path) as stream:
-        while chunk := stream.read(_CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
+    return _digest(path / name, follow=False, below=path)
 
 
 def _unlisted_storage(path: Path, files: dict[str, str] | None) -> str:

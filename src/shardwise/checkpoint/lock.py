@@ -103,21 +103,35 @@ def _claim_in_process(root: Path, key: str, deadline: float, wait: float) -> Non
         _WRITERS.roots[key] = f"{_me()} (this process)"
 
 
-def _lock_file(root: Path, fd: int, deadline: float, wait: float) -> None:
+def _locked(fd: int, operation: int, deadline: float) -> bool:
+    """``flock(fd, operation)``, retried until ``deadline``: whether it was taken.
+
+    Raises:
+        OSError: the filesystem cannot lock (anything but "held by another").
+    """
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CheckpointError(
-                    f"cannot lock {root / LOCK} ({exc.strerror or exc}): the filesystem does not "
-                    "support file locks, which keep two writers of one checkpoint root apart; "
-                    "save to a local disk or a filesystem mounted with locking (NFS with lockd "
-                    "or NFSv4, Lustre with -o flock)") from None
+                raise
         if time.monotonic() >= deadline:
-            raise _refused(root, _holder(fd), wait)
+            return False
         time.sleep(_POLL)
+
+
+def _lock_file(root: Path, fd: int, deadline: float, wait: float) -> None:
+    try:
+        taken = _locked(fd, fcntl.LOCK_EX, deadline)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot lock {root / LOCK} ({exc.strerror or exc}): the filesystem does not "
+            "support file locks, which keep two writers of one checkpoint root apart; "
+            "save to a local disk or a filesystem mounted with locking (NFS with lockd "
+            "or NFSv4, Lustre with -o flock)") from None
+    if not taken:
+        raise _refused(root, _holder(fd), wait)
 
 
 class ReadLock:
@@ -147,22 +161,19 @@ def share(root: Path, wait: float | None = None) -> ReadLock | None:
         fd = os.open(root / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
-    deadline = time.monotonic() + wait
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                return ReadLock(fd)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    os.close(fd)
-                    return None  # a filesystem without locks: nothing to wait for
-            if time.monotonic() >= deadline:
-                raise _refused(root, _holder(fd), wait)
-            time.sleep(_POLL)
+        taken = _locked(fd, fcntl.LOCK_SH, time.monotonic() + wait)
+    except OSError:  # a filesystem without locks: nothing to wait for
+        os.close(fd)
+        return None
     except BaseException:
         os.close(fd)
         raise
+    if not taken:
+        holder = _holder(fd)
+        os.close(fd)
+        raise _refused(root, holder, wait)
+    return ReadLock(fd)
 
 
 def acquire(root: Path, wait: float | None = None) -> RootLock:

@@ -53,7 +53,7 @@ from shardwise.checkpoint.restore import (
     read_meta,
     read_rng,
 )
-from shardwise.checkpoint.transaction import TMP, PublishedError, publish, recover
+from shardwise.checkpoint.transaction import TMP, PublishedError, recover, seal_and_publish
 from shardwise.data import DeviceLoader
 from shardwise.distributed import all_agree, from_main, joined
 from shardwise.env import Env
@@ -145,9 +145,8 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         ok, problem = True, ""
         if env.is_main:
             try:
-                manifest, sizes = integrity.manifest_of(tmp, env.world_size, every, own)
-                _write_json(tmp / integrity.MANIFEST, manifest)
-                publish(root, tmp, final, state.step, keep_last, sizes)
+                seal_and_publish(root, tmp, final, state.step, keep_last, env.world_size, every,
+                                 own)
             except PublishedError as exc:
                 ok, problem = False, str(exc)
             except OSError as exc:
@@ -194,16 +193,13 @@ def _begin(env: Env, root: Path, tmp: Path) -> RootLock | None:
             except (OSError, CheckpointError) as exc:
                 ok, problem = False, str(exc) if isinstance(exc, CheckpointError) \
                     else describe_os_error(exc)
-        agreed = all_agree(env, ok)
-    except BaseException:  # Ctrl-C, a lost peer: never keep the root locked
+        if not all_agree(env, ok):
+            raise CheckpointError(f"cannot create checkpoint directory {tmp}: "
+                                  f"{problem or 'failed on rank 0'}")
+    except BaseException:  # refused, Ctrl-C, a lost peer: never keep the root locked
         if lock is not None:
             lock.release()
         raise
-    if not agreed:
-        if lock is not None:
-            lock.release()
-        raise CheckpointError(f"cannot create checkpoint directory {tmp}: "
-                              f"{problem or 'failed on rank 0'}")
     return lock
 
 

@@ -18,12 +18,14 @@ Run by the one writer that holds the root's lock (:mod:`shardwise.checkpoint.loc
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
 import uuid
 from pathlib import Path
 
+from shardwise.checkpoint.integrity import MANIFEST, Written, manifest_of
 from shardwise.checkpoint.layout import (
     LATEST,
     OLD,
@@ -33,7 +35,8 @@ from shardwise.checkpoint.layout import (
     write_durably,
 )
 
-__all__ = ["TMP", "TRASH", "PublishedError", "recover", "publish", "retire", "check_written"]
+__all__ = ["TMP", "TRASH", "PublishedError", "recover", "seal_and_publish", "publish", "retire",
+           "check_written"]
 
 TMP = ".tmp."
 TRASH = ".trash."
@@ -77,6 +80,20 @@ def check_written(tmp: Path, sizes: dict[str, int]) -> None:
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             raise OSError(f"{tmp / name} is not the {size}-byte file that was written "
                           f"(now {info.st_size} bytes, mode {stat.filemode(info.st_mode)})")
+
+
+def seal_and_publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None,
+                     world_size: int, written: Written, own: str | None = None) -> None:
+    """Rank 0, once every rank's files are written: the manifest of what the checkpoint
+    needs (from what the ranks reported), then :func:`publish`.
+
+    Raises:
+        PublishedError: after the rename (the checkpoint is published).
+        OSError: before it (nothing is published).
+    """
+    manifest, sizes = manifest_of(tmp, world_size, written, own)
+    write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    publish(root, tmp, final, step, keep_last, sizes)
 
 
 def publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None,

@@ -130,7 +130,6 @@ class Bundle:
     @functools.cached_property
     def _stepper(self) -> Stepper:
         """Derived from the fields alone and holding no progress, so caching it is safe."""
-        factory = self.engine.stepper() or Stepper
-        return factory(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+        return Stepper(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                        scaler=self.scaler, loss_fn=self.loss_fn, loader=self.loader,
                        env=self.env, plan=self.plan, engine=self.engine)

@@ -5,11 +5,13 @@ import sys
 from pathlib import Path
 
 import attrs
+import pytest
 import torch
 
 import shardwise
 import shardwise as sw
 from shardwise.engines import LocalEngine, MemoryParts
+from shardwise.engines.step_hooks import Backward, WindowEnd
 from shardwise.testing import TinyMLP
 from shardwise.transforms.base import Distribution
 
@@ -130,6 +132,76 @@ def test_a_new_engine_plugs_in_without_touching_the_step_or_the_estimate():
     # asked before each micro-batch that does not end a window
     assert CALLS == [("memory", True), ("no_sync", 0), ("no_sync", 2)]
     assert state.step == 2
+
+
+class OwnStepEngine(LocalEngine):
+    """An engine that drives the step itself, as DeepSpeed's and a pipeline schedule's do:
+    its own backward (the loss doubled, then halved in its update) and its own update."""
+
+    def backward(self, run, state, batch, micro):
+        CALLS.append(("backward", micro.index, micro.boundary))
+        loss = torch.nn.functional.mse_loss(run.model(batch[0]), batch[1])
+        (loss * 2).backward()
+        return Backward(loss.detach(), synced=micro.boundary)
+
+    def end_window(self, run, state, done, micro):
+        CALLS.append(("end_window", micro.batches))
+        with torch.no_grad():
+            for p in run.params:
+                p -= 0.1 * p.grad / (2 * micro.batches)
+        run.optimizer.zero_grad(set_to_none=True)
+        return WindowEnd(norm=torch.tensor(1.5))
+
+
+@attrs.frozen(repr=False)
+class OwnStep(Distribution):
+    factory_name = "own_step"
+
+    def engine(self, env, plan):
+        return OwnStepEngine()
+
+    def __call__(self, bundle):
+        return attrs.evolve(self._record(bundle), engine=self.engine(bundle.env, bundle.plan))
+
+
+def test_an_engine_that_owns_its_step_gets_the_same_state_and_result_as_a_native_one():
+    batches = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(4)]
+    runs = {}
+    for name, dist_ in (("own", OwnStep()), ("native", None)):
+        torch.manual_seed(0)
+        model = TinyMLP()
+        parts = [sw.Env(), sw.accumulate_gradients(2)] + ([dist_] if dist_ else [])
+        bundle = sw.pipeline(*parts)(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        CALLS.clear()
+        state, outs = bundle.init(), []
+        for batch in batches:
+            state, out = bundle.step(state, batch)
+            outs.append(out)
+        runs[name] = (state, outs, [p.detach().clone() for p in model.parameters()], CALLS[:])
+    own, native = runs["own"], runs["native"]
+    assert own[3] == [("backward", 1, False), ("backward", 2, True), ("end_window", 2),
+                      ("backward", 3, False), ("backward", 4, True), ("end_window", 2)]
+    # the skeleton built the state and outputs: the same as the native step's
+    assert (own[0].step, own[0].micro_step, own[0].window_batches) == (2, 4, 0)
+    assert (own[0].step, own[0].micro_step, own[0].synced) == (
+        native[0].step, native[0].micro_step, native[0].synced)
+    assert [o.stepped for o in own[1]] == [o.stepped for o in native[1]] == [False, True] * 2
+    assert [float(o.loss) for o in own[1]] == pytest.approx([float(o.loss) for o in native[1]])
+    assert [o.grad_norm for o in own[1][::2]] == [None, None]
+    assert float(own[1][1].grad_norm) == 1.5
+    for mine, theirs in zip(own[2], native[2], strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
+def test_only_the_step_skeleton_builds_the_next_state():
+    builders = {}
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                    "TrainState", "StepOutput") and (node.args or node.keywords):
+                builders.setdefault(module_name(path), set()).add(node.func.id)
+    # bundle.init() and sw.load build a fresh TrainState() without arguments
+    assert builders == {"shardwise.step": {"TrainState", "StepOutput"}}
 
 
 def test_import_shardwise_is_light_and_its_functions_keep_their_names():

@@ -4,8 +4,8 @@
 - ``transform.py``: the ``deepspeed()`` transform (a ``Distribution``): joins the process
   group, resolves the config, calls ``deepspeed.initialize``, puts the engine in the bundle.
 - ``engine.py``: ``DeepSpeedEngine`` (the engine seam's answers under DeepSpeed: state dicts,
-  memory, unwrap) and ``DeepSpeedStepper`` (the step that drives ``engine.backward`` and
-  ``engine.step`` and keeps ``TrainState`` in line with DeepSpeed's boundaries).
+  memory, unwrap, and the step's two hooks, which drive ``engine.backward`` and
+  ``engine.step`` at the pipeline's window boundaries).
 - ``auto.py``: a config's ``"auto"`` values resolved from the pipeline and the objects, as
   Transformers resolves them; contradictions refused by key.
 - ``config_file.py``: the DeepSpeed JSON to run, from a ``ds_config.json`` or an Accelerate

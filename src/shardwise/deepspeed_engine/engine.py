@@ -1,10 +1,11 @@
 # DeepSpeedEngine: the model and optimizer run by DeepSpeed's own engine (ZeRO 0-3, offload).
-"""The ``deepspeed()`` engine, and the step that drives DeepSpeed's engine.
+"""The ``deepspeed()`` engine, whose step hooks drive DeepSpeed's engine.
 
 DeepSpeed decides the accumulation boundaries (its ``gradient_accumulation_steps``), scales
 each loss by them in ``engine.backward``, clips, steps the optimizer and zeroes gradients in
-``engine.step``. The step here keeps :class:`~shardwise.state.TrainState` in line with it,
-checks the loss, and steps the user's LR scheduler once per optimizer step.
+``engine.step``. Its two step hooks tell it the pipeline's window boundaries, check the loss,
+and step the user's LR scheduler once per optimizer step; the shared skeleton builds the
+:class:`~shardwise.state.TrainState` from what they return, as for every engine.
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.data import to_device
 from shardwise.engines.base import Engine, MemoryParts, state_bytes
+from shardwise.engines.step_hooks import Backward, Micro, StepRun, WindowEnd, forward
 from shardwise.env import Env
 from shardwise.errors import CheckpointError, ConflictError, LossError, NonFiniteError
-from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
-from shardwise.step import Stepper
+from shardwise.state import TrainState
 
-__all__ = ["DeepSpeedEngine", "DeepSpeedStepper"]
+__all__ = ["DeepSpeedEngine"]
 
 
 @attrs.frozen(eq=False)
@@ -77,9 +77,46 @@ class DeepSpeedEngine(Engine):
                 full = param.detach().float()
             yield name, full
 
-    def stepper(self) -> type[Stepper]:
-        """The step that drives DeepSpeed's engine."""
-        return DeepSpeedStepper
+    def backward(self, run: StepRun, state: TrainState, batch: Any, micro: Micro) -> Backward:
+        """Forward, the loss checked, ``engine.backward``; before a window's last micro-batch
+        also ``engine.step`` (DeepSpeed counts micro-batches there and updates nothing)."""
+        if micro.on_nonfinite == "skip":
+            raise ConflictError("step(on_nonfinite='skip') under deepspeed(): DeepSpeed "
+                                "skips only fp16 overflows; use 'raise'")
+        ds = self.ds
+        # the pipeline's windows, as in the native engines: DeepSpeed is told each boundary
+        ds.set_gradient_accumulation_boundary(micro.boundary)
+        run.phase = "forward"
+        # no autocast: DeepSpeed converts the module itself (casts_parameters)
+        loss, items = forward(run, batch)
+        if items is not None:
+            raise LossError("under deepspeed() loss_fn returns a mean loss: DeepSpeed divides "
+                            "each loss by its accumulation steps itself, so (loss_sum, "
+                            "num_items) cannot be normalised over the window")
+        if not ds.fp16_enabled():  # fp16: DeepSpeed's loss scaler skips the step itself
+            _check_loss(loss, run, state, micro.index)
+        run.phase = "backward"
+        # DeepSpeed divides each loss by its accumulation steps; a window the epoch end
+        # shortened is normalised by what it holds
+        ds.backward(loss if micro.size == run.window else loss * (run.window / micro.size))
+        if not micro.boundary:
+            run.phase = "DeepSpeed step (no update)"
+            ds.step()
+        return Backward(loss.detach())
+
+    def end_window(self, run: StepRun, state: TrainState, done: Backward, micro: Micro
+                   ) -> WindowEnd:
+        """``engine.step`` (DeepSpeed's clipping and optimizer step), then the user's
+        scheduler unless DeepSpeed skipped the update (an fp16 overflow)."""
+        ds = self.ds
+        run.phase = "optimizer step"
+        skipped_before = ds.skipped_steps
+        ds.step()
+        skipped = ds.skipped_steps != skipped_before
+        value = ds.get_global_grad_norm()
+        if not skipped and run.scheduler is not None:
+            run.scheduler.step()
+        return WindowEnd(None if value is None else torch.as_tensor(float(value)), skipped)
 
     own_checkpoint: ClassVar[str | None] = "deepspeed"
 
@@ -164,74 +201,12 @@ def check_pickle(path: Path) -> None:
                               "DeepSpeed's own records are read") from None
 
 
-class DeepSpeedStepper(Stepper):
-    """``Bundle.step`` under DeepSpeed: ``engine.backward`` and ``engine.step`` per
-    micro-batch, the state following DeepSpeed's boundaries."""
-
-    def check_loss(self, loss: torch.Tensor, state: TrainState, micro: int) -> None:
-        """Raise before backward when the loss is not finite on some rank (DeepSpeed would
-        apply it under fp32/bf16; under fp16 its loss scaler skips the step instead)."""
-        bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(())
-        if self.synced > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item():
-            raise NonFiniteError(f"non-finite loss at optimizer step {state.step + 1} (micro-step "
-                                 f"{micro}) on some rank; nothing of this micro-batch was "
-                                 "applied")
-
-    def window_size(self, state: TrainState, epoch_end: bool, batch_in_epoch: int) -> int:
-        """Micro-batches in the current window: the full window, or fewer when the epoch
-        ends first (known when the loader's epoch length is)."""
-        if not self.plan.close_at_epoch_end or self.epoch_length is None:
-            return self.window
-        index = self.epoch_length - 1 if epoch_end else batch_in_epoch - 1
-        start = index - state.window_batches
-        return max(1, min(self.window, self.epoch_length - start))
-
-    def step(self, state: TrainState, batch: Any,
-             on_nonfinite: OnNonFinite | None) -> tuple[TrainState, StepOutput]:
-        if on_nonfinite is not None:
-            check_on_nonfinite(on_nonfinite, "step()", allow_none=True)
-            if on_nonfinite == "skip":
-                raise ConflictError("step(on_nonfinite='skip') under deepspeed(): DeepSpeed "
-                                    "skips only fp16 overflows; use 'raise'")
-        ds = self.engine.ds  # type: ignore[attr-defined]
-        micro, batches = state.micro_step + 1, state.window_batches + 1
-        epoch, batch_in_epoch, epoch_end = self.position(state)
-        size = self.window_size(state, epoch_end, batch_in_epoch)
-        # the pipeline's windows, as in the native engines: DeepSpeed is told each boundary
-        boundary = batches == size
-        ds.set_gradient_accumulation_boundary(boundary)
-        if self.move:
-            batch = to_device(batch, self.device)
-        self.phase = "forward"
-        with self.naming_failures(state, micro):
-            # no autocast: DeepSpeed converts the module itself (casts_parameters)
-            loss, items = self.forward(batch)
-            if items is not None:
-                raise LossError("under deepspeed() loss_fn returns a mean loss: DeepSpeed divides "
-                                "each loss by its accumulation steps itself, so (loss_sum, "
-                                "num_items) cannot be normalised over the window")
-            if not ds.fp16_enabled():  # fp16: DeepSpeed's loss scaler skips the step itself
-                self.check_loss(loss, state, micro)
-            self.phase = "backward"
-            # DeepSpeed divides each loss by its accumulation steps; a window the epoch end
-            # shortened is normalised by what it holds
-            ds.backward(loss if size == self.window else loss * (self.window / size))
-            self.phase = "optimizer step" if boundary else "DeepSpeed step (no update)"
-            skipped_before = ds.skipped_steps
-            ds.step()
-        skipped = boundary and ds.skipped_steps != skipped_before
-        norm = None
-        if boundary:
-            value = ds.get_global_grad_norm()
-            norm = None if value is None else torch.as_tensor(float(value))
-            if not skipped and self.scheduler is not None:
-                self.scheduler.step()
-        next_state = TrainState(
-            step=state.step + boundary, micro_step=micro, epoch=epoch,
-            batch_in_epoch=batch_in_epoch, skipped_steps=state.skipped_steps + skipped,
-            window_batches=0 if boundary else batches, synced=True)
-        lr = self.optimizer.param_groups[0].get("lr")
-        return next_state, StepOutput(loss=loss.detach(), grad_norm=norm,
-                                      stepped=boundary and not skipped, lr=lr)
+def _check_loss(loss: torch.Tensor, run: StepRun, state: TrainState, micro: int) -> None:
+    """Raise before backward when the loss is not finite on some rank (DeepSpeed would apply
+    it under fp32/bf16; under fp16 its loss scaler skips the step instead)."""
+    bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(())
+    if run.synced > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        raise NonFiniteError(f"non-finite loss at optimizer step {state.step + 1} (micro-step "
+                             f"{micro}) on some rank; nothing of this micro-batch was applied")

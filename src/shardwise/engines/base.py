@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -12,17 +11,12 @@ import attrs
 import torch
 from torch import nn
 
-from shardwise._params import is_dtensor
+from shardwise.engines.step_hooks import StepHooks
 from shardwise.env import Env
 from shardwise.errors import CheckpointError, ConflictError
-from shardwise.state import TrainState
 
-__all__ = ["Engine", "MemoryParts", "NoSync", "state_bytes", "split_optimizer",
+__all__ = ["Engine", "MemoryParts", "state_bytes", "split_optimizer",
            "set_hyperparameters"]
-
-#: A zero-argument factory of the context that skips gradient reduction for one micro-batch.
-NoSync = Callable[[], contextlib.AbstractContextManager[Any]]
-
 
 @attrs.frozen
 class MemoryParts:
@@ -97,11 +91,13 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str,
         mine.update({k: v for k, v in saved.items() if k != "params"})
 
 
-class Engine:
+class Engine(StepHooks):
     """How one distribution engine runs the parts of training that differ between engines.
 
     The defaults are one process's behaviour: no wrapper, gradients complete on this rank,
-    torch's own state dicts. An engine is a frozen record; ``name`` names it in ``explain()``.
+    torch's own state dicts. The step's two hooks, and the questions the native ones ask,
+    come from :class:`~shardwise.engines.step_hooks.StepHooks`. An engine is a frozen
+    record; ``name`` names it in ``explain()``.
     """
 
     name: ClassVar[str] = "one process"
@@ -113,35 +109,6 @@ class Engine:
     #: flat partitions): placement leaves both alone
     owns_optimizer: ClassVar[bool] = False
 
-    def gradient_ranks(self, env: Env) -> int:
-        """How many ranks' gradients arrive averaged in ``.grad`` after a synchronised backward."""
-        return 1
-
-    def batch_copies(self, env: Env) -> int:
-        """How many ranks read each batch: the ranks of a tensor-parallel group (else 1)."""
-        return 1
-
-    def clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
-        """Clip the gradients of ``params`` to a total norm of ``max_norm``; return the norm
-        before clipping, whole on every rank."""
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        return self.full(norm)
-
-    def no_sync(self, model: nn.Module, state: TrainState) -> NoSync | None:
-        """The context that skips gradient reduction for a micro-batch before a window's last,
-        or None when this micro-batch must synchronise (or there is nothing to skip)."""
-        return None
-
-    def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a gradient or parameter: a DTensor's local shard (FSDP2,
-        tensor parallel), any other tensor itself."""
-        return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
-    def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole tensor: a DTensor gathered from every rank (a collective), any other
-        tensor itself."""
-        return tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the engine's wrapper."""
         return model
@@ -152,20 +119,10 @@ class Engine:
         for name, value in self.unwrap(model).state_dict().items():
             yield name, self.full(value)
 
-    def stepper(self) -> Callable[..., Any] | None:
-        """The step class of an engine that drives training itself (DeepSpeed), else None
-        (the shared :class:`~shardwise.step.Stepper`)."""
-        return None
-
     @property
     def sharded_optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer that holds sharded optimizer state (ZeRO-1), if any."""
         return None
-
-    def stepping_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer whose ``step()`` updates the parameters, given the current
-        hyperparameters of the user's ``optimizer`` (which is it, by default)."""
-        return optimizer
 
     def with_sharded_optimizer(self, sharded: torch.optim.Optimizer | None) -> Engine:
         """This engine with optimizer state sharded by ``sharded`` (ZeRO-1).

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from shardwise._params import param_names
-from shardwise.engines.base import Engine, MemoryParts, NoSync, set_hyperparameters, state_bytes
+from shardwise.engines.base import Engine, MemoryParts, set_hyperparameters, state_bytes
+from shardwise.engines.step_hooks import NoSync
 from shardwise.env import Env
 from shardwise.errors import CheckpointError
 from shardwise.state import TrainState

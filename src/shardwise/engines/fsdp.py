@@ -13,7 +13,8 @@ import attrs
 import torch
 from torch import nn
 
-from shardwise.engines.base import Engine, MemoryParts, NoSync, state_bytes
+from shardwise.engines.base import Engine, MemoryParts, state_bytes
+from shardwise.engines.step_hooks import NoSync
 from shardwise.engines.tp import clip_across_meshes, tp_shape
 from shardwise.env import Env
 from shardwise.policies import Policy, select

@@ -241,9 +241,9 @@ def test_auto_values_are_resolved_as_transformers_resolves_them():
 
 @pytest.mark.parametrize(("config", "given", "message"), [
     ({"bf16": {"enabled": True}}, _given("fp32", "mixed_precision('fp32')"),
-     r"ds.json: bf16.enabled=true contradicts mixed_precision\('fp32'\) in the pipeline"),
+     r"ds.json: bf16.enabled=True contradicts mixed_precision\('fp32'\) in the pipeline"),
     ({"bf16": {"enabled": False}}, _given("bf16", "mixed_precision('bf16')"),
-     r"bf16.enabled=false contradicts mixed_precision\('bf16'\)"),
+     r"bf16.enabled=False contradicts mixed_precision\('bf16'\)"),
     ({"gradient_accumulation_steps": 2}, _given(steps=4, steps_by="accumulate_gradients(4)"),
      r"gradient_accumulation_steps=2 contradicts accumulate_gradients\(4\)"),
     ({"gradient_clipping": 0.5}, _given(clip=1.0, clip_by="clip_gradients(1.0)"),
@@ -258,11 +258,12 @@ def test_auto_values_are_resolved_as_transformers_resolves_them():
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, _given(), r"both true"),
     ({"gradient_accumulation_steps": 0}, _given(), r"gradient_accumulation_steps=0"),
     ({"gradient_accumulation_steps": 10**15}, _given(),
-     r"gradient_accumulation_steps=1000000000000000: accepted: an integer from 1 to"),
-    ({"train_micro_batch_size_per_gpu": "4"}, _given(),
-     r"train_micro_batch_size_per_gpu='4': accepted: an integer from 1 to"),
-    ({"train_batch_size": -3}, _given(), r"train_batch_size=-3: accepted: an integer from 1"),
-    ({"bf16": []}, _given(), r"ds.json: bf16=\[\]: accepted: a mapping"),
+     r"gradient_accumulation_steps=1000000000000000 is not accepted; accepted: an integer "
+     r"from 1 to"),
+    ({"train_micro_batch_size_per_gpu": "four"}, _given(),
+     r"train_micro_batch_size_per_gpu='four' is not accepted; accepted: an integer from 1 to"),
+    ({"train_batch_size": -3}, _given(), r"train_batch_size=-3 is not accepted; accepted: an integer from 1"),
+    ({"bf16": []}, _given(), r"ds.json: bf16=\[\] is not accepted; accepted: a mapping"),
 ])
 def test_contradictions_and_unresolvable_autos_are_refused_naming_both(config, given, message):
     with pytest.raises(ConfigError, match=message):
@@ -295,7 +296,7 @@ def test_deepspeed_excludes_what_its_config_decides():
         model = _model()
         sw.pipeline(sw.Env(), sw.deepspeed(FP32), on_nonfinite="skip")(
             model, torch.optim.AdamW(model.parameters()), _loader(4))
-    with pytest.raises(ConfigError, match=r"bf16.enabled=true contradicts mixed_precision"):
+    with pytest.raises(ConfigError, match=r"bf16.enabled=True contradicts mixed_precision"):
         model = _model()
         sw.pipeline(sw.Env(), sw.deepspeed({**FP32, "bf16": {"enabled": True}}),
                     sw.mixed_precision("fp32"))(model, torch.optim.AdamW(model.parameters()),

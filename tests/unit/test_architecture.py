@@ -312,8 +312,8 @@ def test_configs_and_the_deepspeed_engine_depend_in_one_direction():
 
 
 def test_deepspeed_auto_is_defined_once():
-    """One spelling of DeepSpeed's ``"auto"``, in ``deepspeed_engine/auto.py``, which the
-    config reader and the engine both compare with."""
+    """One spelling of DeepSpeed's ``"auto"``, in ``deepspeed_engine/settings.py`` (the one
+    DeepSpeed config reader), which both of its outputs compare with."""
     definitions = []
     for path in SRC.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
@@ -324,7 +324,42 @@ def test_deepspeed_auto_is_defined_once():
             if isinstance(node, ast.ClassDef) and node.name.lstrip("_").lower() == "auto" \
                     and "policies" not in path.name:  # policies.auto() picks blocks: not this
                 definitions.append(f"{module_name(path)}: class {node.name}")
-    assert definitions == ["shardwise.deepspeed_engine.auto: AUTO = 'auto'"], definitions
+    assert definitions == ["shardwise.deepspeed_engine.settings: AUTO = 'auto'"], definitions
+
+
+#: keys of a DeepSpeed JSON whose values shardwise reads
+DEEPSPEED_KEYS = {"zero_optimization", "offload_optimizer", "offload_param", "stage", "fp16",
+                  "bf16", "bfloat16", "gradient_accumulation_steps", "gradient_clipping",
+                  "train_batch_size", "train_micro_batch_size_per_gpu"}
+
+
+def test_one_reader_reads_a_deepspeed_config():
+    """A DeepSpeed config's values are read in ``deepspeed_engine/settings.py`` only (both
+    outputs take its settings records); ``auto.py`` opens only the blocks it writes the
+    resolved values into. (TrainingArguments' own fields share some of the names: its
+    reader is not looked at; lookups in a reader's settings records are not reads.)"""
+    readers: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        if path.name.startswith("training_args"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            key, of = None, None
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                key, of = node.slice, node.value
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("get", "pop") and node.args:
+                key, of = node.args[0], node.func.value
+            if getattr(of, "id", None) in SETTINGS_RECORDS:
+                continue
+            if isinstance(key, ast.Constant) and key.value in DEEPSPEED_KEYS:
+                readers.setdefault(module_name(path), set()).add(key.value)
+    assert readers.pop("shardwise.deepspeed_engine.auto") <= {"fp16", "bf16", "bfloat16",
+                                                              "zero_optimization"}
+    assert set(readers) == {"shardwise.deepspeed_engine.settings"}, readers
+
+
+#: the names a reader gives its settings records (``Settings``), which are not configs
+SETTINGS_RECORDS = {"settings", "said", "merged", "theirs", "mine"}
 
 
 def test_no_caller_tells_where_an_error_came_from_by_its_text():

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import shardwise as sw
 from shardwise import configs
 from shardwise.configs import read_config
+from shardwise.deepspeed_engine import settings as ds_settings
 from shardwise.errors import ShardwiseError
 
 from conftest import run_property, within
@@ -273,11 +274,11 @@ def ddp_arguments_build_or_are_refused_by_name(data: st.DataObject) -> None:
 #: blocks whose keys are free (their content gives one notice, or none, as a whole)
 FREE = {"optimizer", "scheduler", "tpu_env"}
 #: every key some reader takes, in any block (an added key outside these is unknown)
-TAKEN = (configs.accelerate.TOP | configs.accelerate.DS_BLOCK | configs.deepspeed.TOP
-         | set(configs.deepspeed._TUNING) | {"stage", "offload_optimizer", "offload_param", "device",
-                                              "enabled"}
-         | {k for shapes in configs.deepspeed._OFFLOAD_TUNING.values() for k in shapes}
-         | {k for shapes in configs.deepspeed._PRECISION_TUNING.values() for k in shapes})
+TAKEN = (configs.accelerate.TOP | ds_settings.BLOCK_KEYS | ds_settings.TOP
+         | set(ds_settings.TUNING) | {"stage", "offload_optimizer", "offload_param", "device",
+                                      "enabled"}
+         | {k for shapes in ds_settings.OFFLOAD_TUNING.values() for k in shapes}
+         | {k for shapes in ds_settings.PRECISION_TUNING.values() for k in shapes})
 UNKNOWN = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12).filter(
     lambda k: k not in TAKEN and k.removeprefix("fsdp_") not in configs.fsdp.KEYS
     and not k.startswith("tpu_"))

@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
-from shardwise._config_source import Shape, Source, named_source
-from shardwise.configs.deepspeed import Said, Settings, build, device, merge, positive, read_json, said, stage
+from shardwise._config_source import Shape, Source
+from shardwise.configs.deepspeed import build
 from shardwise.configs.dynamo import dynamo_transforms
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.configs.parallelism import asks_for_mesh, parallelism_transforms
+from shardwise.deepspeed_engine.settings import read_block
 from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.base import Transform
@@ -34,63 +34,7 @@ IGNORED: dict[str, tuple[Shape | None, str]] = {
     "fp8_config": ("mapping", "is not applied (fp8 is not supported)")}
 TOP = {"distributed_type", "mixed_precision", "fsdp_config", "deepspeed_config",
        "parallelism_config", "dynamo_config", *LAUNCH, *IGNORED}
-_DS_ONLY: dict[str, Shape] = {
-    "zero3_init_flag": "bool", "zero3_save_16bit_model": "bool",
-    "deepspeed_multinode_launcher": "text", "deepspeed_hostfile": "text",
-    "deepspeed_inclusion_filter": "text", "deepspeed_exclusion_filter": "text",
-    "deepspeed_moe_layer_cls_names": "text"}
-_NVME_PATHS = ("offload_optimizer_nvme_path", "offload_param_nvme_path")
-DS_BLOCK = {"zero_stage", "offload_optimizer_device", "offload_param_device",
-            "gradient_accumulation_steps", "gradient_clipping", "deepspeed_config_file",
-            *_NVME_PATHS, *_DS_ONLY}
 _KINDS = ["NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED"]
-
-
-def _block_settings(src: Source, block: dict[str, Any], precision: str) -> Settings:
-    """What a ``deepspeed_config`` block (and the YAML's ``mixed_precision``) says."""
-    def get(key: str, read: Callable[[Source, str, Any], Any]) -> Said | None:
-        return said(src, f"deepspeed_config.{key}", block.get(key), read, auto=False)
-
-    values = {"stage": get("zero_stage", stage),
-              "offload_optimizer": get("offload_optimizer_device", device),
-              "offload_param": get("offload_param_device", device),
-              "steps": get("gradient_accumulation_steps", positive),
-              "clipping": get("gradient_clipping", Source.number)}
-    if precision != "no":  # "no" is what Accelerate writes when the file decides precision
-        for name in ("fp16", "bf16"):
-            values[name] = Said("mixed_precision", name == precision, precision, src.origin)
-    return {name: s for name, s in values.items() if s is not None}
-
-
-def config_file(src: Source, value: Any) -> Source:
-    """The DeepSpeed JSON ``deepspeed_config_file`` names (relative to the YAML's folder)."""
-    return named_source(src, "deepspeed_config.deepspeed_config_file", value)
-
-
-def _deepspeed_block(src: Source, block: dict[str, Any], precision: str,
-                     env: Env) -> list[Transform]:
-    """The ``deepspeed_config`` block, merged with the file it names (settings both give must
-    agree)."""
-    src.check_keys(block, DS_BLOCK, "deepspeed_config")
-    for key, shape in _DS_ONLY.items():
-        if key in block:
-            src.check_shape(f"deepspeed_config.{key}", block[key], shape)
-            src.notice(f"deepspeed_config.{key}", "has no meaning outside DeepSpeed")
-    for key in _NVME_PATHS:
-        if block.get(key) not in (None, "none"):
-            raise src.fail(f"deepspeed_config.{key}", block[key], "none (nvme offload is not "
-                           "supported)")
-    settings = _block_settings(src, block, precision)
-    if block.get("deepspeed_config_file") is not None:
-        inner = config_file(src, block["deepspeed_config_file"])
-        try:
-            theirs = read_json(inner)
-        except ConfigError as exc:
-            raise ConfigError.at(src.origin, f"deepspeed_config.deepspeed_config_file: {exc}") \
-                from None
-        src.notices += inner.notices
-        settings = merge(settings, theirs)
-    return build(src, settings, env)
 
 
 def _gpu_ids(src: Source, value: Any) -> None:
@@ -186,7 +130,8 @@ def accelerate_transforms(src: Source, env: Env) -> list[Transform]:
             src.notice(key, f"is not applied: distributed_type is {kind}, not {needs}")
     compiled = dynamo_transforms(src, src.mapping("dynamo_config", cfg.get("dynamo_config")))
     if kind == "DEEPSPEED":  # precision is one of its settings (the file may give it too)
-        return [*_deepspeed_block(src, block["deepspeed_config"], precision, env), *compiled]
+        settings = read_block(src, block["deepspeed_config"], precision)
+        return [*build(src, settings, env), *compiled]
     out: list[Transform] = []
     if kind in ("MULTI_CPU", "MULTI_GPU"):
         out.append(replicate())

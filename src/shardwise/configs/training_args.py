@@ -27,6 +27,8 @@ from shardwise.configs.training_args_engines import (
     fsdp_block,
     load_file,
     per_device_batch,
+    trainer_precision,
+    trainer_settings,
 )
 from shardwise.configs.training_args_fields import (
     ARGUMENTS,
@@ -35,6 +37,7 @@ from shardwise.configs.training_args_fields import (
     plain_value,
 )
 from shardwise.configs.training_args_loop import fit_settings
+from shardwise.deepspeed_engine.settings import value
 from shardwise.env import Env, detect
 from shardwise.errors import ConfigError
 from shardwise.transforms.accumulation import accumulate_gradients
@@ -179,6 +182,7 @@ def read_training_args(args: Any, env: Env | None = None,
         env = attrs.evolve(env, **overrides)
     accel = _accelerator(src, a["accelerator_config"])
     steps, sync, each = _accumulation(src, a, accel)
+    said = trainer_settings(src, a)
     fsdp = fsdp_block(src, a)
     if engine == "deepspeed" and a["deepspeed"] is None:
         raise ConfigError.at(origin, "engine=\"deepspeed\" runs the DeepSpeed config of the "
@@ -189,8 +193,8 @@ def read_training_args(args: Any, env: Env | None = None,
         if mesh and asks_for_mesh(src, mesh, "parallelism_config."):
             raise src.fail("parallelism_config", a["parallelism_config"], "None beside "
                            "deepspeed (its ZeRO stages are the data-parallel dimension)")
-        out = (deepspeed_engine_transforms(src, a) if engine == "deepspeed"
-               else deepspeed_transforms(src, a, env))
+        out = (deepspeed_engine_transforms(src, a, said) if engine == "deepspeed"
+               else deepspeed_transforms(src, a, env, said))
         if each or not sync:
             src.notice("accelerator_config.gradient_accumulation_kwargs", "is not applied "
                        "under deepspeed (its accumulation follows gradient_accumulation_steps)")
@@ -198,15 +202,14 @@ def read_training_args(args: Any, env: Env | None = None,
         out = distribution_transforms(src, fsdp, replicated, each)
         if mesh:
             out = parallelism_transforms(src, mesh, out, env, where="parallelism_config.")
-        out += _precision(src, a)
+        out.append(mixed_precision(trainer_precision(said)))
         if steps > 1:
             out.append(src.build("gradient_accumulation_steps", steps, accumulate_gradients,
                                  steps, sync_with_dataloader=sync))
-        clip = src.number("max_grad_norm", a["max_grad_norm"])
+        clip = value(said, "clipping", 0.0)
         if clip > 0:
             out.append(src.build("max_grad_norm", clip, clip_gradients, clip))
-        out.append(per_device_batch(src.integer("per_device_train_batch_size",
-                                                a["per_device_train_batch_size"], 1), origin))
+        out.append(per_device_batch(value(said, "micro", None), origin))
     out += _compiled(src, a)
     if _checkpointing(src, a) and not any(isinstance(t, CheckpointActivations) for t in out):
         policy = next((t.policy for t in out if isinstance(t, Shard)), None)
@@ -237,13 +240,6 @@ def _mesh_block(src: Source, value: Any) -> dict[str, Any]:
                        "of its fields (dp_replicate_size, dp_shard_size, tp_size, cp_size), "
                        "or None")
     return {name: getattr(value, name) for name in fields}
-
-
-def _precision(src: Source, a: dict[str, Any]) -> list[Transform]:
-    bf16, fp16 = src.boolean("bf16", a["bf16"]), src.boolean("fp16", a["fp16"])
-    if bf16 and fp16:
-        raise ConfigError.at(src.origin, "bf16=True and fp16=True; choose one")
-    return [mixed_precision("bf16" if bf16 else "fp16" if fp16 else "fp32")]
 
 
 def _checkpointing(src: Source, a: dict[str, Any]) -> bool:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,12 @@ from typing import Any
 import attrs
 
 from shardwise import precision
-from shardwise._config_source import Source, load_source, short
+from shardwise._config_source import Source, load_source
 from shardwise.configs import ddp_settings
-from shardwise.configs.deepspeed import BatchCheck, Said, build, merge, read_json
+from shardwise.configs.deepspeed import BatchCheck, build
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.configs.training_args_fields import plain_value
+from shardwise.deepspeed_engine.settings import AUTO, Said, Settings, merge, read, value
 from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.accumulation import accumulate_gradients
@@ -25,8 +27,9 @@ from shardwise.transforms.precision_policy import MixedPrecision, mixed_precisio
 from shardwise.transforms.replication import replicate
 from shardwise.transforms.sharding import Shard
 
-__all__ = ["fsdp_block", "deepspeed_transforms", "deepspeed_engine_transforms", "ddp_overrides",
-           "distribution_transforms", "per_device_batch", "load_file"]
+__all__ = ["fsdp_block", "trainer_settings", "trainer_precision", "deepspeed_transforms",
+           "deepspeed_engine_transforms", "ddp_overrides", "distribution_transforms",
+           "per_device_batch", "load_file"]
 
 
 def fsdp_block(src: Source, a: dict[str, Any]) -> dict[str, Any] | None:
@@ -59,82 +62,76 @@ def fsdp_block(src: Source, a: dict[str, Any]) -> dict[str, Any] | None:
     return block
 
 
-def deepspeed_transforms(src: Source, a: dict[str, Any], env: Env) -> list[Transform]:
-    """The DeepSpeed config, its ``"auto"`` values taken from the arguments; a value both
-    give must agree (as the Trainer refuses mismatches)."""
+def trainer_settings(src: Source, a: dict[str, Any]) -> Settings:
+    """The fields the Trainer fills a DeepSpeed config from (precision, accumulation,
+    clipping, the per-device batch), read once as the DeepSpeed reader's settings: every
+    path (native, DeepSpeed's mapping, DeepSpeed's engine) takes them from here."""
+    def mine(key: str, given: Any) -> Said:
+        return Said(key, given, given, src.origin)
+
+    bf16, fp16 = src.boolean("bf16", a["bf16"]), src.boolean("fp16", a["fp16"])
+    if bf16 and fp16:
+        raise ConfigError.at(src.origin, "bf16=True and fp16=True; choose one")
+    return {"steps": mine("gradient_accumulation_steps", src.integer(
+                "gradient_accumulation_steps", a["gradient_accumulation_steps"], 1)),
+            "clipping": mine("max_grad_norm", src.number("max_grad_norm", a["max_grad_norm"])),
+            "fp16": mine("fp16", fp16), "bf16": mine("bf16", bf16),
+            "micro": mine("per_device_train_batch_size", src.integer(
+                "per_device_train_batch_size", a["per_device_train_batch_size"], 1))}
+
+
+def trainer_precision(said: Settings) -> str:
+    """The precision the Trainer's ``bf16``/``fp16`` ask for (its default without either)."""
+    return "bf16" if value(said, "bf16", False) else "fp16" if value(said, "fp16", False) \
+        else precision.TRAINER_DEFAULT
+
+
+def _deepspeed_file(src: Source, a: dict[str, Any], said: Settings, *, native: bool
+                    ) -> tuple[Source, Settings]:
+    """The ``deepspeed`` file or mapping and what it says, read by the one DeepSpeed reader
+    (the caller merges it with the Trainer's fields: a value both give must agree, as the
+    Trainer refuses mismatches, and ``"auto"`` takes the argument's)."""
     raw = a["deepspeed"]
     inner = load_file(src, "deepspeed", raw if isinstance(raw, (str, Path, Mapping)) else
-                  src.mapping("deepspeed", raw))
+                      src.mapping("deepspeed", raw))
     try:
-        theirs = read_json(inner)
+        theirs = read(inner, native=native)
     except ConfigError as exc:
         raise ConfigError.at(src.origin, f"deepspeed: {exc}") from None
     src.notices += inner.notices
+    return inner, theirs
 
-    def mine(key: str, value: Any) -> Said:
-        return Said(key, value, value, src.origin)
 
-    steps = src.integer("gradient_accumulation_steps", a["gradient_accumulation_steps"], 1)
-    clip = src.number("max_grad_norm", a["max_grad_norm"])
-    settings = {"steps": mine("gradient_accumulation_steps", steps),
-                "clipping": mine("max_grad_norm", clip),
-                "fp16": mine("fp16", src.boolean("fp16", a["fp16"])),
-                "bf16": mine("bf16", src.boolean("bf16", a["bf16"])),
-                "micro": mine("per_device_train_batch_size", src.integer(
-                    "per_device_train_batch_size", a["per_device_train_batch_size"], 1))}
-    out = build(src, merge(settings, theirs), env)
+def deepspeed_transforms(src: Source, a: dict[str, Any], env: Env, said: Settings
+                         ) -> list[Transform]:
+    """The DeepSpeed config as native transforms, its ``"auto"`` values taken from the
+    arguments."""
+    _, theirs = _deepspeed_file(src, a, said, native=True)
+    out = build(src, merge(said, theirs), env)
     if not any(isinstance(t, MixedPrecision) for t in out):
         out.append(mixed_precision(precision.TRAINER_DEFAULT))
     return out
 
 
-def deepspeed_engine_transforms(src: Source, a: dict[str, Any]) -> list[Transform]:
-    """DeepSpeed's own engine on the ``deepspeed`` config. As the Trainer does, a value the
-    config gives must equal the argument's, and ``"auto"`` takes the argument's (clipping
-    only where the config says ``"auto"``: DeepSpeed does not clip by default)."""
-    from shardwise.deepspeed_engine.auto import AUTO
-    from shardwise.deepspeed_engine.config_file import engine_config
+def deepspeed_engine_transforms(src: Source, a: dict[str, Any], said: Settings
+                                ) -> list[Transform]:
+    """DeepSpeed's own engine on the ``deepspeed`` config, checked against the arguments as
+    for native transforms; the pipeline's transforms fill its ``"auto"`` values when it runs
+    (clipping only where the config says ``"auto"``: DeepSpeed does not clip by default)."""
     from shardwise.deepspeed_engine.transform import deepspeed
 
-    raw = a["deepspeed"]
-    try:
-        config = engine_config(raw, "deepspeed")
-    except ConfigError as exc:
-        raise ConfigError.at(src.origin, f"deepspeed: {exc}") from None
-    where = str(raw) if isinstance(raw, (str, Path)) else "the deepspeed mapping"
-    steps = src.integer("gradient_accumulation_steps", a["gradient_accumulation_steps"], 1)
-    clip = src.number("max_grad_norm", a["max_grad_norm"])
-    bf16, fp16 = src.boolean("bf16", a["bf16"]), src.boolean("fp16", a["fp16"])
-    per_device = src.integer("per_device_train_batch_size", a["per_device_train_batch_size"], 1)
-
-    def said(*path: str) -> Any:
-        value: Any = config
-        for key in path:
-            value = value.get(key) if isinstance(value, Mapping) else None
-        return value
-
-    for path, argument, value in ((("gradient_accumulation_steps",), "gradient_accumulation_steps",
-                                   steps),
-                                  (("gradient_clipping",), "max_grad_norm", clip),
-                                  (("train_micro_batch_size_per_gpu",),
-                                   "per_device_train_batch_size", per_device),
-                                  (("bf16", "enabled"), "bf16", bf16),
-                                  (("fp16", "enabled"), "fp16", fp16)):
-        given = said(*path)
-        if given is not None and given != AUTO and given != value:
-            raise ConfigError.at(src.origin, f"{argument}={short(value)} contradicts "
-                              f"{'.'.join(path)}={short(given)} in {where}; set one (or "
-                              "\"auto\" in the file)")
-    if bf16 and fp16:
-        raise ConfigError.at(src.origin, "bf16=True and fp16=True; choose one")
-    out: list[Transform] = [
-        deepspeed(config, source=where),
-        mixed_precision("bf16" if bf16 else "fp16" if fp16 else precision.TRAINER_DEFAULT)]
+    inner, theirs = _deepspeed_file(src, a, said, native=False)
+    merge(said, theirs)
+    where = str(a["deepspeed"]) if isinstance(a["deepspeed"], (str, Path)) else \
+        "the deepspeed mapping"
+    out: list[Transform] = [deepspeed(copy.deepcopy(dict(inner.data)), source=where),
+                            mixed_precision(trainer_precision(said))]
+    steps, clip = value(said, "steps", 1), value(said, "clipping", 0.0)
     if steps > 1:
         out.append(accumulate_gradients(steps))
-    if said("gradient_clipping") == AUTO and clip > 0:
+    if "clipping" in theirs and theirs["clipping"].value == AUTO and clip > 0:
         out.append(clip_gradients(clip))
-    return [*out, per_device_batch(per_device, src.origin)]
+    return [*out, per_device_batch(value(said, "micro", None), src.origin)]
 
 
 def ddp_overrides(src: Source, a: dict[str, Any]) -> tuple[dict[str, Any], Transform]:

@@ -6,13 +6,17 @@
 - ``engine.py``: ``DeepSpeedEngine`` (the engine seam's answers under DeepSpeed: state dicts,
   memory, unwrap, and the step's two hooks, which drive ``engine.backward`` and
   ``engine.step`` at the pipeline's window boundaries).
-- ``auto.py``: a config's ``"auto"`` values resolved from the pipeline and the objects, as
-  Transformers resolves them; contradictions refused by key.
+- ``settings.py``: the one reader of a DeepSpeed config (a ``ds_config.json``, an Accelerate
+  ``deepspeed_config`` block, the TrainingArguments fields the Trainer fills it from): one
+  ``AUTO``, one contradiction rule (``merge``), and two outputs reading its settings:
+- ``auto.py``: the JSON DeepSpeed's engine runs, its ``"auto"`` values resolved from the
+  pipeline and the objects, as Transformers resolves them;
 - ``config_file.py``: the DeepSpeed JSON to run, from a ``ds_config.json`` or an Accelerate
   ``distributed_type: DEEPSPEED`` YAML (``from_config(..., engine="deepspeed")``).
 
-Reading a DeepSpeed config onto the *native* transforms (ZeRO stage -> replicate /
-shard_optimizer / shard) is a config reader like the others: ``shardwise.configs.deepspeed``.
-This package imports nothing on import, so config readers can use ``auto.py`` without
-pulling in the transforms.
+- and, outside this package, ``shardwise.configs.deepspeed``: the native transforms (ZeRO
+  stage -> replicate / shard_optimizer / shard).
+
+This package imports nothing on import, so the config readers can use ``settings.py``
+without pulling in the transforms; it never imports ``shardwise.configs``.
 """

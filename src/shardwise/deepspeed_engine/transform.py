@@ -51,22 +51,16 @@ def import_deepspeed(env: Env) -> Any:
     return deepspeed
 
 
-def _stage(config: Mapping[str, Any]) -> int:
-    zero = config.get("zero_optimization")
-    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
-    return stage if isinstance(stage, int) and not isinstance(stage, bool) else 0
+def _layout(config: Mapping[str, Any], origin: str) -> tuple[int, tuple[str, ...]]:
+    """The ZeRO stage and what is offloaded to the CPU, as the DeepSpeed reader reads them."""
+    from shardwise._config_source import Source
+    from shardwise.deepspeed_engine.settings import read, value
 
-
-def _offload(config: Mapping[str, Any]) -> tuple[str, ...]:
-    zero = config.get("zero_optimization")
-    if not isinstance(zero, Mapping):
-        return ()
-    out = []
-    for key, name in (("offload_optimizer", "optimizer"), ("offload_param", "parameters")):
-        block = zero.get(key)
-        if isinstance(block, Mapping) and str(block.get("device", "none")).lower() != "none":
-            out.append(name)
-    return tuple(out)
+    said = read(Source(config, origin), native=False)
+    offload = tuple(name for key, name in (("offload_optimizer", "optimizer"),
+                                           ("offload_param", "parameters"))
+                    if value(said, key, "none") != "none")
+    return value(said, "stage", 0), offload
 
 
 def _join(env: Env) -> None:
@@ -133,11 +127,14 @@ class DeepSpeed(Distribution):
         self._read()
 
     def engine(self, env: Env, plan: Plan) -> Engine:
+        return self._engine(env)
+
+    def _engine(self, env: Env, ds: Any = None) -> Engine:
+        """The engine record, with DeepSpeed's engine ``ds`` once it is built."""
         from shardwise.deepspeed_engine.engine import DeepSpeedEngine
 
-        config = self._read()
-        return DeepSpeedEngine(stage=_stage(config), world_size=env.world_size,
-                               offload=_offload(config))
+        stage, offload = _layout(self._read(), self.origin)
+        return DeepSpeedEngine(stage=stage, world_size=env.world_size, offload=offload, ds=ds)
 
     def _given(self, plan: Plan) -> Given:
         from shardwise.deepspeed_engine.auto import Given
@@ -187,7 +184,7 @@ class DeepSpeed(Distribution):
                                 "to the pipeline call: keep one")
         if not own_optimizer:
             config.setdefault("zero_allow_untested_optimizer", True)
-            if "optimizer" in _offload(config):  # the client optimizer steps on the CPU
+            if "optimizer" in _layout(config, self.origin)[1]:  # the client optimizer: on the CPU
                 config.setdefault("zero_force_ds_cpu_optimizer", False)
         _join(env)
         try:
@@ -198,7 +195,6 @@ class DeepSpeed(Distribution):
         except (ValueError, AssertionError) as exc:  # its config checks (pydantic, asserts)
             raise ConfigError.at(self.origin, f"DeepSpeed refused the config: "
                               f"{str(exc)[:1000]}") from exc
-        from shardwise.deepspeed_engine.engine import DeepSpeedEngine
 
         plan = attrs.evolve(plan, precision=precision, accumulation_steps=steps,
                             max_grad_norm=None)
@@ -206,8 +202,7 @@ class DeepSpeed(Distribution):
             bundle, model=engine, plan=plan, scaler=None,
             optimizer=optimizer if own_optimizer else bundle.optimizer,
             scheduler=bundle.scheduler if scheduler is None else None,
-            engine=DeepSpeedEngine(stage=_stage(config), world_size=env.world_size,
-                                   offload=_offload(config), ds=engine))
+            engine=self._engine(env, engine))
 
     def describe(self, env: Env) -> str:
         where = Path(self.origin).name if isinstance(self.config, str) or self.source else \

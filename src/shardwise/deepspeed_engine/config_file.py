@@ -19,6 +19,7 @@ from shardwise.errors import ConfigError
 
 __all__ = ["engine_config"]
 
+
 def engine_config(source: Any, kind: str) -> dict[str, Any]:
     """The DeepSpeed JSON of ``source`` (already read, and checked, as a ``kind`` config).
 

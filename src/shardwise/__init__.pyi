@@ -36,6 +36,8 @@ from shardwise.policies import by_class as by_class
 from shardwise.policies import by_size as by_size
 from shardwise.state import StepOutput as StepOutput
 from shardwise.state import TrainState as TrainState
+from shardwise.trainer_class import Trainer as Trainer
+from shardwise.trainer_class import on_shardwise as on_shardwise
 from shardwise.transforms.accumulation import accumulate_gradients as accumulate_gradients
 from shardwise.transforms.activation_checkpointing import checkpoint_activations as checkpoint_activations
 from shardwise.transforms.base import Transform as Transform
@@ -65,6 +67,7 @@ __all__ = [
     "StepOutput",
     "TensorBoardLogger",
     "TrainState",
+    "Trainer",
     "Transform",
     "__version__",
     "accumulate_gradients",
@@ -92,6 +95,7 @@ __all__ = [
     "main_process_first",
     "mixed_precision",
     "offload",
+    "on_shardwise",
     "pipeline",
     "place",
     "policies",

@@ -203,7 +203,18 @@ def from_training_args(args: Any, *, env: Env | None = None, engine: str = "nati
     if engine not in ("native", "deepspeed"):
         raise ArgumentError(f"from_training_args() 'engine' must be 'native' or 'deepspeed' "
                             f"(got {short(engine)})")
-    settings = read_training_args(args, env, engine)
+    return _training_pipeline(args, env, engine, trainer=False)
+
+
+def trainer_pipeline(args: Any) -> Pipeline:
+    """The pipeline a Trainer on shardwise runs: what ``from_training_args(args)`` gives,
+    without the ``sw.fit`` options and without notices for the fields the Trainer applies
+    itself (its optimizer, scheduler, loaders, evaluation, logging, checkpoints, Hub)."""
+    return _training_pipeline(args, None, "native", trainer=True)
+
+
+def _training_pipeline(args: Any, env: Env | None, engine: str, *, trainer: bool) -> Pipeline:
+    settings = read_training_args(args, env, engine, trainer=trainer)
     if env is None:
         env = detect(**settings.overrides)
     elif settings.overrides:

@@ -35,9 +35,26 @@ class ResumableSampler(DistributedSampler[Any]):
     ``DistributedSampler``, the share is made even by repeating samples from the epoch's
     start (or, with ``drop_last``, by dropping the last few). With the ranks and the batch
     size of the save this is exactly the rest of the uninterrupted epoch.
+
+    ``chunk`` is how many consecutive samples of the order a rank takes in its turn: 1 is
+    ``DistributedSampler``'s split (rank r reads samples r, r + n, ...); the batch size is
+    Accelerate's (rank r reads whole batches r, r + n, ... of the order, and the order is
+    padded to whole global batches, so every rank's last batch is full).
     """
 
     cursor = 0
+
+    def __init__(self, *args: Any, chunk: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.chunk = chunk
+        self.total_size = self._padded(len(self.dataset))  # type: ignore[arg-type]
+        self.num_samples = self.total_size // self.num_replicas
+
+    def _padded(self, count: int) -> int:
+        """``count`` samples made a whole number of turns of every rank (up, or down with
+        ``drop_last``)."""
+        unit = self.num_replicas * self.chunk
+        return count // unit * unit if self.drop_last else -(-count // unit) * unit
 
     def _order(self) -> list[int]:
         if self.shuffle:
@@ -50,24 +67,28 @@ class ResumableSampler(DistributedSampler[Any]):
         """Samples this rank reads in the epoch from ``cursor`` (default: its own) on."""
         start = self.cursor if cursor is None else cursor
         rest = max(0, len(self.dataset) - start)  # type: ignore[arg-type]
-        if self.drop_last:
-            return rest // self.num_replicas
-        return -(-rest // self.num_replicas)
+        return self._padded(rest) // self.num_replicas
+
+    def position(self, local: int, rank: int | None = None) -> int:
+        """Where the ``local``-th sample of the epoch of ``rank`` (default: this sampler's)
+        sits in the padded order."""
+        turn, within = divmod(local, self.chunk)
+        return (turn * self.num_replicas + (self.rank if rank is None else rank)) * self.chunk \
+            + within
 
     def __iter__(self) -> Iterator[Any]:
-        if not self.cursor:
-            return super().__iter__()
         order = self._order()
         rest = order[self.cursor:]
-        if self.drop_last:
-            rest = rest[:len(rest) - len(rest) % self.num_replicas]
+        total = self._padded(len(rest))
+        if total <= len(rest):
+            rest = rest[:total]
         else:
-            pad = -len(rest) % self.num_replicas
+            pad = total - len(rest)
             rest += (order * -(-pad // max(1, len(order))))[:pad]
-        return iter(rest[self.rank::self.num_replicas])
+        return iter([rest[self.position(i)] for i in range(total // self.num_replicas)])
 
     def __len__(self) -> int:
-        return self.remaining() if self.cursor else super().__len__()
+        return self.remaining()
 
 
 def to_device(batch: Any, device: torch.device, *, non_blocking: bool = True) -> Any:
@@ -296,7 +317,8 @@ def _check_own_sampler(loader: Any, copies: int, shares: int, share: int) -> Non
 
 
 def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
-                 pin_memory: bool = False, mesh: MeshLayout | None = None) -> Iterable[Any]:
+                 pin_memory: bool = False, mesh: MeshLayout | None = None,
+                 split: str = "samples") -> Iterable[Any]:
     """A copy of ``loader`` whose sampler is a ``DistributedSampler`` for ``env``.
 
     Keeps batch_size, shuffle, drop_last, collate_fn, workers and the rest. The shuffling
@@ -304,7 +326,9 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
     too, so one process and N ranks read the same global batches. A loader that already has
     a ``DistributedSampler`` is kept; in one process, so is a loader that cannot be split.
     With a ``mesh`` (tensor parallel), the data is split over its data ranks only: the ranks
-    of a tensor-parallel group read the same share.
+    of a tensor-parallel group read the same share. ``split``: ``"samples"`` (rank r reads
+    samples r, r + n, ... of the order, as ``DistributedSampler``) or ``"batches"`` (whole
+    batches r, r + n, ..., every rank's last batch full: Accelerate's split).
 
     Raises:
         DataError: several ranks and a loader that cannot be split across them, or a
@@ -324,7 +348,8 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
     assert isinstance(loader, DataLoader)
     sampler = ResumableSampler(
         loader.dataset, num_replicas=shares, rank=share,
-        shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last)
+        shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
+        chunk=loader.batch_size if split == "batches" and loader.batch_size else 1)
     extra: dict[str, Any] = {}
     if loader.num_workers > 0:
         extra = dict(prefetch_factor=loader.prefetch_factor,

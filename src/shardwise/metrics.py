@@ -56,8 +56,11 @@ def _real_items(loader: Iterable[Any] | None, world: int) -> list[int] | None:
     per_rank = total // world
     start = (loader.batch_in_epoch - 1) * size  # this batch's first local index
     end = min(start + size, per_rank)
-    # rank r holds global positions r, r + world, ...; positions >= samples are padding
-    return [max(0, min(end, math.ceil((samples - r) / world)) - start) for r in range(world)]
+    if not hasattr(sampler, "position"):  # a DistributedSampler: positions r, r + world, ...
+        return [max(0, min(end, math.ceil((samples - r) / world)) - start) for r in range(world)]
+    # positions past the dataset's length are padding
+    return [sum(sampler.position(i, r) < samples for i in range(start, end))
+            for r in range(world)]
 
 
 def _gather(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:

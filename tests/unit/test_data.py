@@ -123,3 +123,55 @@ def test_the_device_loader_reads_like_the_loader_it_wraps():
     assert len(loader) == 1  # this rank's 5 samples make one whole batch of 3
     with pytest.raises(AttributeError):
         loader.no_such_attribute  # noqa: B018
+
+
+@pytest.mark.parametrize("samples", [16, 13, 5, 3])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_batches_split_deals_each_rank_the_batches_accelerate_deals_it(samples, shuffle,
+                                                                         drop_last):
+    """``split="batches"`` against Accelerate's own BatchSamplerShard over its seeded sampler:
+    the same indices on every rank, in the same batches, the last partial round included."""
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    from shardwise.data import ResumableSampler
+
+    world, size, seed = 2, 2, 7
+    data = list(range(samples))
+    order = accelerate.SeedableRandomSampler(data, data_seed=seed) if shuffle else \
+        torch.utils.data.SequentialSampler(data)
+    for epoch in (0, 1):
+        for rank in range(world):
+            if shuffle:  # its iteration moves it to the next epoch: set it for each rank
+                order.set_epoch(epoch)
+            theirs = [i for batch in accelerate.BatchSamplerShard(
+                torch.utils.data.BatchSampler(order, size, drop_last), num_processes=world,
+                process_index=rank) for i in batch]
+            sampler = ResumableSampler(data, num_replicas=world, rank=rank, shuffle=shuffle,
+                                       seed=seed, drop_last=drop_last, chunk=size)
+            sampler.set_epoch(epoch)
+            assert list(sampler) == theirs, (rank, epoch)
+            assert len(sampler) == len(theirs)
+
+
+def test_the_batches_split_resumes_mid_epoch_without_rereading_a_sample():
+    from shardwise.data import ResumableSampler
+
+    def ranks(cursor=0, world=2):
+        out = []
+        for rank in range(world):
+            sampler = ResumableSampler(list(range(20)), num_replicas=world, rank=rank,
+                                       shuffle=True, seed=3, chunk=2)
+            sampler.cursor = cursor
+            out.append(list(sampler))
+        return out
+
+    whole = ranks()
+    # two global batches of 2 x 2 read: the rest of each rank's stream, exactly
+    assert ranks(cursor=8) == [whole[0][4:], whole[1][4:]]
+    # at another world size every remaining sample is read once; the 4 that make whole
+    # rounds of 4 ranks x 2 repeat the epoch's first (already read) samples, as
+    # DistributedSampler pads
+    read = {i for share in whole for i in share[:4]}
+    rest = collections.Counter(i for share in ranks(cursor=8, world=4) for i in share)
+    assert {i: rest[i] for i in set(range(20)) - read} == dict.fromkeys(set(range(20)) - read, 1)
+    assert sum(rest.values()) == 16 and set(rest) - (set(range(20)) - read) <= read

@@ -155,9 +155,11 @@ def _accumulation(src: Source, a: dict[str, Any], cfg: dict[str, Any]) -> tuple[
     return steps, sync, each
 
 
-def read_training_args(args: Any, env: Env | None = None,
-                       engine: str = "native") -> TrainingSettings:
-    """What a ``TrainingArguments`` (or a mapping of its field names) means here.
+def read_training_args(args: Any, env: Env | None = None, engine: str = "native", *,
+                       trainer: bool = False) -> TrainingSettings:
+    """What a ``TrainingArguments`` (or a mapping of its field names) means here;
+    ``trainer``: for a Trainer on shardwise, which runs its own loop and applies the fields
+    with no meaning for ``sw.fit`` (no notices for them, no ``sw.fit`` options).
 
     Raises:
         ConfigError: an unknown name, a value of the wrong type or range, a setting with no
@@ -167,7 +169,7 @@ def read_training_args(args: Any, env: Env | None = None,
     src = Source({}, origin)
     defaults = _defaults_of(args) if instance else {}
     for name, why in NOTICED.items():
-        if name in a and _is_set(a[name], defaults.get(name)):
+        if not trainer and name in a and _is_set(a[name], defaults.get(name)):
             src.notice(name, why)
     mesh = _mesh_block(src, a.get("parallelism_config"))
     if not src.boolean("average_tokens_across_devices", a["average_tokens_across_devices"]):
@@ -215,7 +217,7 @@ def read_training_args(args: Any, env: Env | None = None,
         policy = next((t.policy for t in out if isinstance(t, Shard)), None)
         out.append(checkpoint_activations(policy))
     out.append(_data(src, a, accel))
-    fit, notes = fit_settings(src, a)
+    fit, notes = fit_settings(src, a) if not trainer else ({}, [])
     return TrainingSettings(overrides, tuple(out), fit, (*src.notices, *notes), origin)
 
 

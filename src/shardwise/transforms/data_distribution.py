@@ -3,20 +3,29 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import attrs
 
+from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader, shard_loader
 from shardwise.env import Env
-from shardwise.errors import DataError
+from shardwise.errors import ArgumentError, DataError
 from shardwise.mesh import MeshLayout, layout_of
 from shardwise.plan import Plan
 from shardwise.transforms._checks import boolean, integer, optional_boolean
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["DistributeData", "distribute_data"]
+
+Split = Literal["samples", "batches"]
+
+
+def _split(instance: Any, attribute: Any, value: Any) -> None:
+    if value not in ("samples", "batches"):
+        raise ArgumentError(f"distribute_data() 'split' must be 'samples' or 'batches' (got "
+                            f"{short(value)})")
 
 
 @attrs.frozen(repr=False)
@@ -32,6 +41,11 @@ class DistributeData(Transform):
         non_blocking: asynchronous host-to-device copies.
         pin_memory: pin host batches; ``None`` pins only on CUDA.
         seed: the shuffling seed, the same on every rank.
+        split: how the epoch's order is dealt to the ranks: ``"samples"`` (rank r reads
+            samples r, r + n, ..., as ``DistributedSampler``) or ``"batches"`` (whole
+            batches r, r + n, ... with every rank's last batch full, as Accelerate's
+            prepared loaders; the Trainer on shardwise uses it). The global batches are the
+            same either way; the per-rank batches, and so float rounding, differ.
 
     Example:
         >>> bundle = sw.pipeline(sw.distribute_data(seed=1))(model, optimizer, loader)
@@ -40,6 +54,7 @@ class DistributeData(Transform):
     non_blocking: bool = attrs.field(default=True, kw_only=True, validator=boolean)
     pin_memory: bool | None = attrs.field(default=None, kw_only=True, validator=optional_boolean)
     seed: int = attrs.field(default=0, kw_only=True, validator=integer)
+    split: Split = attrs.field(default="samples", kw_only=True, validator=_split)
     stage: ClassVar[Stage] = Stage.DATA
     factory_name: ClassVar[str] = "distribute_data"
 
@@ -59,7 +74,8 @@ class DistributeData(Transform):
         def distributed(loader: Any) -> DeviceLoader | None:
             if loader is None:
                 return None
-            sharded = shard_loader(loader, env, seed=self.seed, pin_memory=pin, mesh=mesh)
+            sharded = shard_loader(loader, env, seed=self.seed, pin_memory=pin, mesh=mesh,
+                                   split=self.split)
             return DeviceLoader(sharded, env.device, non_blocking=self.non_blocking)
 
         return attrs.evolve(bundle, loader=distributed(bundle.loader),
@@ -82,8 +98,9 @@ class DistributeData(Transform):
                 f"{self.seed}, set_epoch every epoch; {self._move(env)}")
 
     def describe(self, env: Env) -> str:
+        split = ", whole batches in turn (Accelerate's split)" if self.split == "batches" else ""
         share = (f"DistributedSampler: each of {env.world_size} ranks reads 1/{env.world_size}"
-                 if env.is_distributed else "sampler order fixed by seed")
+                 f"{split}" if env.is_distributed else "sampler order fixed by seed")
         return f"{share}, seed {self.seed}, set_epoch every epoch; {self._move(env)}"
 
     def _move(self, env: Env) -> str:

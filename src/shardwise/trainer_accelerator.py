@@ -1,0 +1,356 @@
+# ShardwiseAccelerator: what the Transformers Trainer asks of its Accelerator, answered by shardwise.
+"""The object a Trainer on shardwise calls where it would call its ``Accelerator``.
+
+The Trainer keeps its loop (accumulation windows, ``optimizer.step()``, the scheduler,
+logging, evaluation, callbacks, checkpoints) and asks its accelerator for the distributed
+mechanics: ``prepare`` (here: the pipeline the TrainingArguments give, applied to the model
+and optimizer; each loader distributed as the pipeline's ``distribute_data`` says),
+``backward``, ``no_sync``, ``clip_grad_norm_``, ``gather_for_metrics``, ``gather``,
+``pad_across_processes``, ``unwrap_model``, ``get_state_dict`` and a few flags. Anything else
+it asks for is refused by name (:class:`~shardwise.errors.ConflictError` through
+``AttributeError``), so a Transformers release that asks for more fails loudly, never
+silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from shardwise.bundle import Bundle
+from shardwise.data import DeviceLoader
+from shardwise.metrics import gather_for_metrics
+from shardwise.pipelines import Pipeline
+from shardwise.plan import Plan
+from shardwise.transforms.data_distribution import DistributeData
+
+__all__ = ["ShardwiseAccelerator"]
+
+
+@attrs.define
+class _GradientState:
+    """The part of Accelerate's ``GradientState`` the Trainer reads and sets: it runs its own
+    accumulation windows and tells the accelerator when a window ends."""
+
+    sync_gradients: bool = True
+    end_of_dataloader: bool = False
+    plugin_kwargs: dict[str, Any] = attrs.Factory(dict)
+
+    def _set_sync_gradients(self, sync: bool) -> None:
+        self.sync_gradients = sync
+
+
+@attrs.frozen
+class _State:
+    """The part of Accelerate's ``AcceleratorState`` the Trainer reads: no FSDP or DeepSpeed
+    plugin (shardwise's engines run those), the process layout."""
+
+    distributed_type: Any
+    num_processes: int
+    process_index: int
+    device: torch.device
+    mixed_precision: str
+    fsdp_plugin: Any = None
+    deepspeed_plugin: Any = None
+
+
+class _Tracked:
+    """A distributed loader that tells the accelerator when it is iterated (the loader
+    ``gather_for_metrics`` drops the padding of) and when its last batch is out."""
+
+    def __init__(self, loader: DeviceLoader, owner: ShardwiseAccelerator) -> None:
+        self.loader, self.owner = loader, owner
+
+    def __iter__(self) -> Iterator[Any]:
+        state = self.owner.gradient_state
+        self.owner.active = self.loader
+        state.end_of_dataloader = False
+        last = len(self.loader) - 1
+        for index, batch in enumerate(self.loader):
+            state.end_of_dataloader = index == last
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def _distributed_type(pipe: Pipeline) -> Any:
+    from accelerate.utils import DistributedType
+
+    env = pipe.env
+    if not env.is_distributed:
+        return DistributedType.NO
+    return DistributedType.MULTI_GPU if env.device.type == "cuda" else DistributedType.MULTI_CPU
+
+
+class ShardwiseAccelerator:
+    """What ``transformers.Trainer`` calls on ``self.accelerator``, run by ``pipe``.
+
+    Built by :func:`shardwise.on_shardwise`'s ``create_accelerator_and_postprocess`` from
+    the Trainer's TrainingArguments; a user does not build one.
+    """
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.pipe = pipe
+        self.env = pipe.env
+        self.bundle: Bundle | None = None
+        self.active: DeviceLoader | None = None
+        self.gradient_state = _GradientState()
+        self.state = _State(_distributed_type(pipe), pipe.env.world_size, pipe.env.rank,
+                            pipe.env.device, "no")
+        self.distributed_type = self.state.distributed_type
+        self._models: list[nn.Module] = []
+        self.scaler: torch.amp.GradScaler | None = None
+        self._synced = False  # a backward has synchronised gradients
+        self._skipping = False  # inside no_sync
+        self.parallelism_config = None
+        # Accelerate's split: each rank whole batches in turn, the last one full, so the
+        # per-rank batches (and float rounding) are the Trainer-on-Accelerate ones
+        self.data = attrs.evolve(next((t for t in pipe.transforms
+                                       if isinstance(t, DistributeData)), DistributeData()),
+                                 split="batches")
+
+    # -- what the Trainer reads --------------------------------------------------------------
+
+    @property
+    def num_processes(self) -> int:
+        return self.env.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.env.local_rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.env.is_distributed
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Never: no loss scaler runs under the Trainer on shardwise (fp16 is refused)."""
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"the Trainer asked its accelerator for {name!r}, which shardwise's accelerator "
+            "does not provide; this Transformers release uses more of Accelerate than the "
+            "tested ones (see docs/training-args.md, 'Your Trainer on shardwise')")
+
+    # -- prepare -----------------------------------------------------------------------------
+
+    def prepare(self, *objects: Any, device_placement: Any = None) -> Any:
+        """The model and optimizer through the pipeline (together: the optimizer is
+        re-bound to what the model becomes), each loader distributed; schedulers as they are."""
+        models = [o for o in objects if isinstance(o, nn.Module)]
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        if len(models) > 1 or len(optimizers) > 1:
+            raise TypeError("shardwise's accelerator prepares one model and one optimizer")
+        if optimizers and not models and self.bundle is not None:
+            models = [self.bundle.model]  # already prepared: the optimizer is the bundle's
+        bundle = self._prepare_model(models[0], optimizers[0] if optimizers else None) \
+            if models else None
+        out: list[Any] = []
+        for obj in objects:
+            if isinstance(obj, nn.Module) and bundle is not None:
+                out.append(bundle.model)
+            elif isinstance(obj, torch.optim.Optimizer) and bundle is not None:
+                out.append(bundle.optimizer)
+            elif isinstance(obj, DataLoader):
+                out.append(self._prepare_loader(obj))
+            else:
+                out.append(obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(self, model: nn.Module, device_placement: Any = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """The model for evaluation alone (moved to the device, not wrapped), or prepared."""
+        if evaluation_mode:
+            return model.to(self.env.device)
+        return self._prepare_model(model, None).model
+
+    def _prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                       ) -> Bundle:
+        if self.bundle is not None and self.bundle.model is model:
+            return self.bundle
+        bundle = self.pipe(model, optimizer)
+        if bundle.scaler is not None:
+            raise NotImplementedError("fp16 under the Trainer on shardwise is not supported yet "
+                                      "(its loss scaler); use bf16 or fp32")
+        if optimizer is not None and bundle.engine.stepping_optimizer(optimizer) is not optimizer:
+            raise NotImplementedError("an optimizer stepped by another (ZeRO-1) under the Trainer "
+                                      "on shardwise is not supported yet")
+        self.bundle = bundle
+        self.state = attrs.evolve(self.state, mixed_precision=bundle.plan.precision)
+        self._models.append(bundle.model)
+        return bundle
+
+    def _prepare_loader(self, loader: DataLoader) -> _Tracked:
+        bundle = self.data(Bundle(model=nn.Identity(), loader=loader, env=self.env,
+                                  plan=Plan()))
+        assert isinstance(bundle.loader, DeviceLoader)
+        return _Tracked(bundle.loader, self)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    @property
+    def _engine(self) -> Any:
+        if self.bundle is None:
+            raise RuntimeError("the model is not prepared yet")
+        return self.bundle.engine
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's autocast at the pipeline's precision (none where the engine casts
+        parameters, or for fp32)."""
+        from shardwise.step import forward_autocast
+
+        if self.bundle is None:
+            return contextlib.nullcontext()
+        factory = forward_autocast(self.bundle.engine, self.bundle.plan.precision, self.env.device)
+        return contextlib.nullcontext() if factory is None else factory()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        loss.backward(**kwargs)
+        self._synced = self._synced or not self._skipping
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Gradient reduction skipped for this micro-batch where the engine can."""
+        from shardwise.state import TrainState
+
+        # the engine asks whether a synchronised backward happened yet (DDP's static graph
+        # needs one before it may skip a reduction)
+        asked = attrs.evolve(TrainState(), synced=self._synced)
+        no_sync = self._engine.no_sync(model, asked)
+        if no_sync is None:
+            yield
+            return
+        self._skipping = True
+        try:
+            with no_sync():
+                yield
+        finally:
+            self._skipping = False
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """The engine's clipping (one norm over every rank's part); the norm before it."""
+        return self._engine.clip(list(parameters), max_norm, norm_type)
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Every rank's values of the current batch, the padding of the active loader dropped."""
+        if use_gather_object or not _has_tensor(input_data):
+            if not (dist.is_initialized() and dist.get_world_size() > 1):
+                return input_data
+            parts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, input_data)
+            return [item for part in parts for item in (part if isinstance(part, list)
+                                                       else [part])]
+        return gather_for_metrics(input_data, self.active)
+
+    def gather(self, tensor: Any) -> Any:
+        """Every rank's ``tensor`` concatenated along the first dimension (padding kept)."""
+        return gather_for_metrics(tensor, None)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0,
+                             pad_first: bool = False) -> Any:
+        """``tensor`` padded along ``dim`` to the largest size any rank holds."""
+        if not isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, (list, tuple)):
+                return type(tensor)(self.pad_across_processes(t, dim, pad_index, pad_first)
+                                    for t in tensor)
+            if isinstance(tensor, dict):
+                return {k: self.pad_across_processes(v, dim, pad_index, pad_first)
+                        for k, v in tensor.items()}
+            return tensor
+        if not (dist.is_initialized() and dist.get_world_size() > 1) or tensor.ndim == 0:
+            return tensor
+        size = torch.tensor([tensor.shape[dim]], device=tensor.device)
+        sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+        dist.all_gather(sizes, size)
+        longest = int(max(s.item() for s in sizes))
+        if longest == tensor.shape[dim]:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = longest
+        padded = tensor.new_full(shape, pad_index)
+        index = [slice(None)] * tensor.ndim
+        start = longest - tensor.shape[dim] if pad_first else 0
+        index[dim] = slice(start, start + tensor.shape[dim])
+        padded[tuple(index)] = tensor
+        return padded
+
+    # -- models and memory -------------------------------------------------------------------
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
+        """The user's module inside the engine's wrapper (a model not prepared: itself)."""
+        if self.bundle is None or model is not self.bundle.model:
+            return model
+        return self.bundle.engine.unwrap(model)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """The module's state dict, each tensor whole (gathered where sharded)."""
+        if self.bundle is None or model not in (self.bundle.model,
+                                                self.bundle.engine.unwrap(self.bundle.model)):
+            return model.state_dict()
+        return dict(self.bundle.engine.full_state(model))
+
+    def free_memory(self, *objects: Any) -> list[Any]:
+        """Forget the prepared model (the Trainer prepares again), collect garbage."""
+        self.bundle, self.active = None, None
+        self._models.clear()
+        gc.collect()
+        return [None] * len(objects)
+
+    def wait_for_everyone(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+    def end_training(self) -> None:
+        """Nothing to close: trackers are the Trainer's callbacks."""
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    return False

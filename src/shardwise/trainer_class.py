@@ -1,0 +1,95 @@
+# sw.Trainer and sw.on_shardwise: a Transformers Trainer whose distributed mechanics are a shardwise pipeline.
+"""The Transformers Trainer on shardwise (needs ``transformers``).
+
+The seam is the Trainer's own ``create_accelerator_and_postprocess``: it builds the object
+the Trainer calls for every distributed mechanic. On shardwise it builds a
+:class:`~shardwise.trainer_accelerator.ShardwiseAccelerator` from the same TrainingArguments
+(read as :func:`shardwise.from_training_args` reads them, without the ``sw.fit`` options).
+The forward's autocast comes from the pipeline's precision through
+``autocast_smart_context_manager``, which the Trainer leaves to Accelerate. Those are the
+two overridden methods, both public hooks of the Trainer: the loop, callbacks,
+compute_metrics, best model, early stopping, report_to and checkpoints stay the Trainer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any
+
+import transformers
+
+from shardwise.configured import trainer_pipeline
+from shardwise.errors import ArgumentError, EnvError
+from shardwise.trainer_accelerator import ShardwiseAccelerator
+
+__all__ = ["TESTED_TRANSFORMERS", "Trainer", "on_shardwise"]
+
+#: the Transformers releases the Trainer on shardwise is tested with (major.minor)
+TESTED_TRANSFORMERS = ("5.25",)
+
+
+def _check_version(found: str = transformers.__version__) -> None:
+    """Refuse a Transformers major version no test has run (its Trainer may ask its
+    accelerator for what shardwise's does not answer)."""
+    tested = {v.split(".")[0] for v in TESTED_TRANSFORMERS}
+    if found.split(".")[0] not in tested:
+        raise EnvError(f"transformers {found} is not a tested major version for the Trainer on "
+                       f"shardwise (tested: {', '.join(TESTED_TRANSFORMERS)}); install "
+                       f"transformers {'/'.join(sorted(tested))}.x, or train with sw.fit")
+
+
+def _create_accelerator(self: Any) -> None:
+    """The Trainer's ``create_accelerator_and_postprocess``, on shardwise."""
+    _check_version()
+    pipe = trainer_pipeline(self.args)
+    self.accelerator = ShardwiseAccelerator(pipe)
+    self.gather_function = self.accelerator.gather_for_metrics
+    if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+        self.gather_function = functools.partial(
+            self.gather_function, use_gather_object=self.args.eval_use_gather_object)
+    self.is_deepspeed_enabled = False
+    self.is_fsdp_enabled = False
+    if pipe.env.rank == 0:  # the Trainer's console: what runs, once, before training
+        print(pipe.explain(), flush=True)
+
+
+def _autocast(self: Any, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager[Any]:
+    """The forward's autocast at the pipeline's precision (the Trainer asks Accelerate's
+    wrapped model for it; shardwise gives it here)."""
+    return self.accelerator.autocast()
+
+
+def on_shardwise(cls: type) -> type:
+    """``cls`` (``transformers.Trainer`` or a subclass: TRL's SFTTrainer, your own) with its
+    distributed mechanics run by shardwise instead of Accelerate.
+
+    The pipeline is ``sw.from_training_args(trainer.args)``: DDP, FSDP2, precision,
+    accumulation and clipping as the arguments say, and the loaders distributed by
+    shardwise's resumable sampler. The Trainer's loop, callbacks and checkpoints stay.
+
+    Raises:
+        ArgumentError: ``cls`` is not a Trainer class.
+        EnvError: an untested major version of Transformers (when the Trainer is built).
+
+    Example:
+        >>> from trl import SFTTrainer
+        >>> trainer = sw.on_shardwise(SFTTrainer)(model=model, args=args, train_dataset=data)
+        >>> trainer.train()
+    """
+    if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
+        raise ArgumentError(f"on_shardwise() takes transformers.Trainer or a subclass (got "
+                            f"{cls!r})")
+    if getattr(cls, "_on_shardwise", False):
+        return cls
+    namespace = {"create_accelerator_and_postprocess": _create_accelerator,
+                 "autocast_smart_context_manager": _autocast, "_on_shardwise": True,
+                 "__module__": cls.__module__, "__doc__": cls.__doc__}
+    return type(cls.__name__, (cls,), namespace)
+
+
+#: ``transformers.Trainer`` on shardwise: ``sw.Trainer(model=..., args=..., ...)`` as the
+#: Trainer is called (the same arguments), its distributed mechanics run by shardwise
+Trainer = on_shardwise(transformers.Trainer)
+Trainer.__module__, Trainer.__qualname__ = __name__, "Trainer"

@@ -1,0 +1,110 @@
+# The Trainer on shardwise against the Trainer on Accelerate: same arguments, 2 gloo ranks, same logs.
+import math
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.errors import ArgumentError, EnvError
+from shardwise.testing import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, LENGTH = 64, 8
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=LENGTH))
+
+
+def token_data(count, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (count, LENGTH), generator=generator)
+    labels = ids.clone()
+    labels[::3, :2] = -100  # a different number of counted tokens per sample
+    return [{"input_ids": i, "labels": t} for i, t in zip(ids, labels, strict=True)]
+
+
+def accuracy(prediction):
+    logits, labels = prediction.predictions, prediction.label_ids
+    predicted = logits[:, :-1].argmax(-1)
+    target = labels[:, 1:]
+    counted = target != -100
+    return {"accuracy": float((predicted == target)[counted].mean())}
+
+
+def train(on_shardwise, output_dir, overrides, sizes=(16, 8)):
+    """One Trainer run on this rank: its log history (every logging step and evaluation)."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(**{
+        "output_dir": output_dir, "per_device_train_batch_size": 2,
+        "per_device_eval_batch_size": 2, "num_train_epochs": 2, "learning_rate": 3e-3,
+        "warmup_steps": 2, "logging_steps": 1, "eval_strategy": "steps", "eval_steps": 3,
+        "save_strategy": "no", "report_to": [], "use_cpu": True, "ddp_backend": "gloo",
+        "seed": 7, "disable_tqdm": True, "dataloader_num_workers": 0, **overrides})
+    cls = sw.Trainer if on_shardwise else Trainer
+    trainer = cls(model=tiny_llama(), args=args, train_dataset=token_data(sizes[0], 1),
+                  eval_dataset=token_data(sizes[1], 2), compute_metrics=accuracy)
+    trainer.train()
+    history = [{k: v for k, v in log.items() if k in KEPT} for log in trainer.state.log_history]
+    return history, type(trainer.accelerator).__name__
+
+
+#: what must agree at every logging step and evaluation (time and speed are left out)
+KEPT = ("loss", "learning_rate", "grad_norm", "eval_loss", "eval_accuracy", "epoch", "step")
+
+
+def both(tmp_path, sizes=(16, 8), **overrides):
+    runs = {}
+    for name, on in (("accelerate", False), ("shardwise", True)):
+        ranks = run_distributed(train, on, str(tmp_path / name), overrides, sizes, timeout=300)
+        histories = [history for history, _ in ranks]
+        assert histories[0] == histories[1]  # every rank logs the same
+        assert ranks[0][1] == ("ShardwiseAccelerator" if on else "Accelerator")
+        runs[name] = histories[0]
+    return runs["accelerate"], runs["shardwise"]
+
+
+def assert_same_logs(theirs, ours, tolerance=1e-6):
+    assert len(theirs) == len(ours) and len(ours) > 4
+    for mine, other in zip(ours, theirs, strict=True):
+        assert mine.keys() == other.keys(), (mine, other)
+        for key, value in mine.items():
+            assert math.isclose(value, other[key], rel_tol=tolerance, abs_tol=tolerance), \
+                (key, value, other[key], mine)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"gradient_accumulation_steps": 2}, {"bf16": True}],
+                         ids=["ddp", "ddp-accumulation", "ddp-bf16"])
+def test_the_trainer_on_shardwise_logs_what_it_logs_on_accelerate(tmp_path, overrides):
+    theirs, ours = both(tmp_path, **overrides)
+    assert any("eval_accuracy" in log for log in ours)
+    assert any("grad_norm" in log for log in ours)
+    assert_same_logs(theirs, ours)
+
+
+def test_datasets_that_do_not_divide_give_the_same_last_batches_and_evaluation(tmp_path):
+    """14 training samples in global batches of 4 and 7 evaluation samples: the last batch
+    of each epoch and of the evaluation are padded as Accelerate pads them (from the epoch's
+    start, every rank a full batch), and the padding is dropped from the gathered metrics."""
+    theirs, ours = both(tmp_path, sizes=(14, 7))
+    assert_same_logs(theirs, ours)
+
+
+def test_on_shardwise_refuses_what_is_not_a_trainer_and_an_untested_major_version():
+    from shardwise.trainer_class import _check_version
+
+    with pytest.raises(ArgumentError, match="on_shardwise\\(\\) takes transformers.Trainer"):
+        sw.on_shardwise(dict)
+    with pytest.raises(EnvError, match=r"transformers 4.57.0 is not a tested major version .*"
+                                       r"tested: 5.25"):
+        _check_version("4.57.0")
+    _check_version("5.30.1")  # a later minor release of a tested major is taken
+    assert sw.on_shardwise(sw.Trainer) is sw.Trainer
+    assert issubclass(sw.Trainer, transformers.Trainer) and sw.Trainer.__name__ == "Trainer"

@@ -81,6 +81,21 @@ class _Tracked:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def skip(self, batches: int) -> _Tracked:
+        """Start the epoch the Trainer sets next after ``batches`` of this rank's batches: the
+        sampler starts part-way through the epoch's order, reading none of them."""
+        self.skipped = batches
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        skipped, self.skipped = self.skipped, 0
+        if skipped:
+            self.loader.resume(epoch, skipped)
+        else:
+            self.loader.set_epoch(epoch)
+
+    skipped = 0
+
     def __getattr__(self, name: str) -> Any:
         if name == "loader":
             raise AttributeError(name)

@@ -6,9 +6,10 @@ the Trainer calls for every distributed mechanic. On shardwise it builds a
 :class:`~shardwise.trainer_accelerator.ShardwiseAccelerator` from the same TrainingArguments
 (read as :func:`shardwise.from_training_args` reads them, without the ``sw.fit`` options).
 The forward's autocast comes from the pipeline's precision through
-``autocast_smart_context_manager``, which the Trainer leaves to Accelerate. Those are the
-two overridden methods, both public hooks of the Trainer: the loop, callbacks,
-compute_metrics, best model, early stopping, report_to and checkpoints stay the Trainer's.
+``autocast_smart_context_manager``, which the Trainer leaves to Accelerate, and a resumed
+epoch starts part-way through its order (``get_resumed_dataloader``). Those are the three
+overridden methods, all public hooks of the Trainer: the loop, callbacks, compute_metrics,
+best model, early stopping, report_to and checkpoints stay the Trainer's.
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ def _autocast(self: Any, cache_enabled: bool | None = True) -> contextlib.Abstra
     return self.accelerator.autocast()
 
 
+def _resumed(base: type) -> Any:
+    def get_resumed_dataloader(self: Any, dataloader: Any, num_batches: int) -> Any:
+        """The epoch resumed by shardwise's sampler, which starts part-way through the
+        epoch's order (no batch is read to be skipped)."""
+        if not hasattr(dataloader, "skip"):  # a loader the accelerator did not prepare
+            return base.get_resumed_dataloader(self, dataloader, num_batches)  # type: ignore[attr-defined]
+        return dataloader.skip(num_batches)
+    return get_resumed_dataloader
+
+
 def on_shardwise(cls: type) -> type:
     """``cls`` (``transformers.Trainer`` or a subclass: TRL's SFTTrainer, your own) with its
     distributed mechanics run by shardwise instead of Accelerate.
@@ -84,7 +95,8 @@ def on_shardwise(cls: type) -> type:
     if getattr(cls, "_on_shardwise", False):
         return cls
     namespace = {"create_accelerator_and_postprocess": _create_accelerator,
-                 "autocast_smart_context_manager": _autocast, "_on_shardwise": True,
+                 "autocast_smart_context_manager": _autocast,
+                 "get_resumed_dataloader": _resumed(cls), "_on_shardwise": True,
                  "__module__": cls.__module__, "__doc__": cls.__doc__}
     return type(cls.__name__, (cls,), namespace)
 

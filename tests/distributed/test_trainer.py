@@ -38,7 +38,20 @@ def accuracy(prediction):
     return {"accuracy": float((predicted == target)[counted].mean())}
 
 
-def train(on_shardwise, output_dir, overrides, sizes=(16, 8)):
+def stop_at(step):
+    """A callback that stops training after optimizer step ``step`` (a crash, as far as the
+    next run can tell: it resumes from the checkpoint saved there)."""
+    from transformers import TrainerCallback
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                control.should_training_stop = True
+
+    return Stop()
+
+
+def train(on_shardwise, output_dir, overrides, sizes=(16, 8), stop=None, resume=None):
     """One Trainer run on this rank: its log history (every logging step and evaluation)."""
     from transformers import Trainer, TrainingArguments
 
@@ -50,9 +63,13 @@ def train(on_shardwise, output_dir, overrides, sizes=(16, 8)):
         "seed": 7, "disable_tqdm": True, "dataloader_num_workers": 0, **overrides})
     cls = sw.Trainer if on_shardwise else Trainer
     trainer = cls(model=tiny_llama(), args=args, train_dataset=token_data(sizes[0], 1),
-                  eval_dataset=token_data(sizes[1], 2), compute_metrics=accuracy)
-    trainer.train()
+                  eval_dataset=token_data(sizes[1], 2), compute_metrics=accuracy,
+                  callbacks=[] if stop is None else [stop_at(stop)])
+    trainer.train(resume_from_checkpoint=resume)
     history = [{k: v for k, v in log.items() if k in KEPT} for log in trainer.state.log_history]
+    if args.load_best_model_at_end:
+        history.append({"best": int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1]),
+                        "weight": float(trainer.model.lm_head.weight.sum())})
     return history, type(trainer.accelerator).__name__
 
 
@@ -94,6 +111,28 @@ def test_datasets_that_do_not_divide_give_the_same_last_batches_and_evaluation(t
     of each epoch and of the evaluation are padded as Accelerate pads them (from the epoch's
     start, every rank a full batch), and the padding is dropped from the gathered metrics."""
     theirs, ours = both(tmp_path, sizes=(14, 7))
+    assert_same_logs(theirs, ours)
+
+
+def test_resume_from_checkpoint_mid_epoch_continues_the_same_run(tmp_path):
+    """Stopped after optimizer step 5 (mid-epoch 2, a checkpoint every 5 steps) and resumed
+    in new processes: the resumed run logs what the uninterrupted one logged from step 6 on,
+    on shardwise as on Accelerate. The resumed epoch starts part-way through its order."""
+    saving = {"save_strategy": "steps", "save_steps": 5}
+    theirs, ours = both(tmp_path / "whole", **saving)
+    assert_same_logs(theirs, ours)
+    run_distributed(train, True, str(tmp_path / "cut"), saving, (16, 8), 5, timeout=300)
+    resumed = run_distributed(train, True, str(tmp_path / "cut"), saving, (16, 8), None, True,
+                              timeout=300)[0][0]
+    after = [log for log in ours if log.get("step", 0) > 5]
+    assert len(after) > 3
+    assert_same_logs(after, [log for log in resumed if log.get("step", 0) > 5])
+
+
+def test_load_best_model_at_end_keeps_the_same_best_checkpoint(tmp_path):
+    theirs, ours = both(tmp_path, save_strategy="steps", save_steps=3, load_best_model_at_end=True,
+                        metric_for_best_model="eval_accuracy", greater_is_better=True)
+    assert theirs[-1]["best"] == ours[-1]["best"]
     assert_same_logs(theirs, ours)
 
 

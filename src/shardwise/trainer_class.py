@@ -21,8 +21,9 @@ from typing import Any
 
 import transformers
 
+from shardwise._text import short
 from shardwise.configured import trainer_pipeline
-from shardwise.errors import ArgumentError, EnvError
+from shardwise.errors import ArgumentError, ConfigError, EnvError
 from shardwise.trainer_accelerator import ShardwiseAccelerator
 
 __all__ = ["TESTED_TRANSFORMERS", "Trainer", "on_shardwise"]
@@ -41,9 +42,27 @@ def _check_version(found: str = transformers.__version__) -> None:
                        f"transformers {'/'.join(sorted(tested))}.x, or train with sw.fit")
 
 
+#: TrainingArguments whose engines do not run under the Trainer on shardwise yet: their
+#: checkpoints (sharded model and optimizer state) need the Trainer's saving to go through DCP
+_NOT_YET = {"fsdp": "FSDP2", "deepspeed": "DeepSpeed", "parallelism_config": "a device mesh",
+            "fp16": "fp16's loss scaler"}
+
+
+def _refuse_not_yet(args: Any) -> None:
+    for name, what in _NOT_YET.items():
+        value = getattr(args, name, None)
+        if value not in (None, False, "", [], {}):
+            raise ConfigError.at("TrainingArguments", f"{name}={short(value)} is not supported "
+                                 f"by the Trainer on shardwise yet ({what}: the Trainer would "
+                                 "save one rank's shard as the whole checkpoint); use "
+                                 "sw.from_training_args(args) with sw.fit, or the Trainer on "
+                                 "Accelerate")
+
+
 def _create_accelerator(self: Any) -> None:
     """The Trainer's ``create_accelerator_and_postprocess``, on shardwise."""
     _check_version()
+    _refuse_not_yet(self.args)
     pipe = trainer_pipeline(self.args)
     self.accelerator = ShardwiseAccelerator(pipe)
     self.gather_function = self.accelerator.gather_for_metrics
@@ -105,3 +124,12 @@ def on_shardwise(cls: type) -> type:
 #: Trainer is called (the same arguments), its distributed mechanics run by shardwise
 Trainer = on_shardwise(transformers.Trainer)
 Trainer.__module__, Trainer.__qualname__ = __name__, "Trainer"
+Trainer.__doc__ = """``transformers.Trainer`` with its distributed mechanics run by shardwise
+    instead of Accelerate: called with the Trainer's own arguments (see its documentation);
+    the pipeline comes from ``args`` as :func:`shardwise.from_training_args` reads them.
+
+    Example:
+        >>> trainer = sw.Trainer(model=model, args=args, train_dataset=train,
+        ...                      eval_dataset=val, compute_metrics=compute_metrics)
+        >>> trainer.train()
+    """

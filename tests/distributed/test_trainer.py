@@ -146,4 +146,16 @@ def test_on_shardwise_refuses_what_is_not_a_trainer_and_an_untested_major_versio
         _check_version("4.57.0")
     _check_version("5.30.1")  # a later minor release of a tested major is taken
     assert sw.on_shardwise(sw.Trainer) is sw.Trainer
+
+
+@pytest.mark.parametrize(("argument", "value"), [("fsdp", "full_shard"),
+                                                 ("parallelism_config", {"tp_size": 2})])
+def test_engines_not_run_under_the_trainer_yet_are_refused_by_name(tmp_path, argument, value):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             **{argument: value})
+    with pytest.raises(sw.errors.ConfigError, match=rf"{argument}=.* is not supported by the "
+                                                    r"Trainer on shardwise yet"):
+        sw.Trainer(model=tiny_llama(), args=args, train_dataset=token_data(4, 1))
     assert issubclass(sw.Trainer, transformers.Trainer) and sw.Trainer.__name__ == "Trainer"

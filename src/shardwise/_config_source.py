@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from shardwise._text import short as _short
+from shardwise.env import launch_rank
 from shardwise.errors import ArgumentError, ConfigError
 
 log = logging.getLogger("shardwise.configs")
@@ -48,7 +49,7 @@ class Source:
         by default this one)."""
         line = f"{origin or self.origin}: {key} {why}"
         self.notices.append(line)
-        if self.logs:
+        if self.logs and launch_rank() == 0:  # every rank reads the config: one says so
             log.warning(line)
 
     def check_keys(self, data: Mapping[str, Any], known: Iterable[str], where: str = "") -> None:

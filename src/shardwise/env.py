@@ -278,6 +278,15 @@ def _topology(environ: Mapping[str, str]) -> dict[str, Any]:
     return {}
 
 
+def launch_rank(environ: Mapping[str, str] | None = None) -> int:
+    """The rank a launcher gave this process (torchrun, srun, mpirun), 0 without one: which
+    process says what every process would say (a config's notices), before any group."""
+    try:
+        return int(_topology(os.environ if environ is None else environ).get("rank", 0))
+    except EnvError:  # a broken launch is detect()'s to report
+        return 0
+
+
 def _device_facts(device: torch.device, world_size: int) -> dict[str, Any]:
     """Backend, precisions and memory of ``device``."""
     kind, precisions = device.type, precision.supported(device)

@@ -67,13 +67,19 @@ def _bar(bundle: Bundle, state: TrainState, steps: int | None, show: bool) -> An
     return tqdm(total=steps, initial=state.step, unit="step", dynamic_ncols=True)
 
 
+def _complete(state: TrainState, epochs: int | None, steps: int | None) -> bool:
+    """Whether a (resumed) state is already at the end the call asks for."""
+    return (steps is not None and state.step >= steps) or (
+        epochs is not None and state.epoch >= epochs and not state.window_batches)
+
+
 def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
         state: TrainState | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None, keep_last: int | None = None,
         eval_fn: Callable[[Bundle], Mapping[str, float]] | None = None,
         eval_every: int | None = None, log_every: int | None = 10,
         loggers: Iterable[Logger] = (), progress: bool = True,
-        async_checkpoints: bool = False) -> TrainState:
+        async_checkpoints: bool = False, report_to: Iterable[Logger] = ()) -> TrainState:
     """Train ``bundle`` for ``epochs`` epochs of ``bundle.loader`` and/or ``steps`` optimizer
     steps (whichever ends first), and return the final state.
 
@@ -86,6 +92,12 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     ``async_checkpoints=True`` writes the periodic checkpoints in the background
     (``sw.save(..., blocking=False)``: training goes on while the files are written); the
     last one, at the end or on Ctrl-C, is waited for before ``fit`` returns or re-raises.
+    ``report_to`` are loggers too: the ones ``pipe.fit_options`` gives (TrainingArguments'
+    ``report_to``), beside your own ``loggers``.
+
+    On the main process each logged line is printed above the progress bar (with
+    ``progress=False``, to Python logging only). A run whose checkpoint is already at its
+    end says so, and at which step, and trains nothing.
 
     Example:
         >>> bundle = sw.pipeline(sw.detect())(model, optimizer, loader, eval_loader=val)
@@ -97,8 +109,11 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
                         checkpoint_every), ("eval_every", eval_every), ("log_every", log_every),
                         ("keep_last", keep_last)):
         _count(name, value)
-    if not isinstance(loggers, (str, bytes)) and hasattr(loggers, "__iter__"):
-        loggers = list(loggers)
+    given = [list(g) if not isinstance(g, (str, bytes)) and hasattr(g, "__iter__") else g
+             for g in (loggers, report_to)]
+    for each in given:
+        _check_kinds(bundle, state, checkpoint_dir, eval_fn, each, progress)
+    loggers = [*given[0], *given[1]]
     _check_kinds(bundle, state, checkpoint_dir, eval_fn, loggers, progress)
     if not isinstance(async_checkpoints, bool):
         raise ArgumentError(f"fit() 'async_checkpoints' must be True or False (got "
@@ -118,8 +133,20 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     losses: list[torch.Tensor] = []
     boundary, saved, evaluated = state, -1, -1
 
+    if _complete(state, epochs, steps):
+        if bundle.env.is_main:
+            log.warning("fit(): the run in %s is already complete at optimizer step %d (epoch %d"
+                        " of %s, step limit %s): nothing to train; use another checkpoint_dir "
+                        "for a new run", checkpoint_dir, state.step, state.epoch, epochs, steps)
+        if bar is not None:
+            bar.close()
+        return state
+
     def record(metrics: Mapping[str, float]) -> None:
-        log.info("step %d: %s", boundary.step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        line = f"step {boundary.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        if bar is not None:  # shown whatever the logging configuration, above the bar
+            bar.write(line)
+        log.info(line)
         for logger in loggers:
             logger.log(metrics, boundary.step)
 

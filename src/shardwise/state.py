@@ -111,7 +111,8 @@ class StepOutput:
         grad_norm: total gradient norm before clipping on an optimizer step, else ``None``.
         stepped: whether the optimizer stepped on this call (True also for a step whose
             update a fused kernel skipped on the device; the next call raises for it).
-        lr: the learning rate of the first param group after this call.
+        lr: the learning rate of the first param group this call used (its update's, before
+            the scheduler stepped), as the Trainer logs it.
     """
 
     loss: torch.Tensor

@@ -154,6 +154,8 @@ class Stepper:
             run.phase = "checking the first batch across a tensor-parallel group"
             with self.naming_failures(state, micro.index):
                 same_batch(batch, run.copies, run.env.device)
+        # the rate this call's update uses: read before the scheduler steps at the window's end
+        lr = run.optimizer.param_groups[0].get("lr")
         with self.naming_failures(state, micro.index):
             done = engine.backward(run, state, batch, micro)
             # read after this call's work is queued: the device has long finished that check
@@ -178,6 +180,5 @@ class Stepper:
             window_weighted=None if boundary else done.weighted,
             window_losses=None if boundary else done.losses,
             synced=state.synced or done.synced, pending_check=end.pending)
-        lr = run.optimizer.param_groups[0].get("lr")
         return next_state, StepOutput(loss=done.loss, grad_norm=end.norm,
                                       stepped=boundary and not end.skipped, lr=lr)

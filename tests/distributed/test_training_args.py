@@ -90,8 +90,7 @@ def test_trainer_defaults_become_fp32_clipping_at_one_and_the_trainers_loop(tmp_
     assert got["BatchCheck"] == per_device_batch(8)
     assert "AccumulateGradients" not in got
     assert dict(pipe.fit_options) == {"epochs": 3, "log_every": 500, "checkpoint_dir":
-                                      str(tmp_path), "checkpoint_every": 500, "progress": True,
-                                      "loggers": []}
+                                      str(tmp_path), "checkpoint_every": 500, "progress": True}
     assert pipe.env.timeout.total_seconds() == 1800
     assert "resumes from the newest checkpoint" in pipe.explain()
     assert "sw.fit(bundle, **pipe.fit_options): epochs=3" in pipe.explain()
@@ -120,7 +119,7 @@ def test_each_distributed_argument_becomes_its_transform(tmp_path):
     assert pipe.env.backend == "gloo"
     options = dict(pipe.fit_options)
     assert options["steps"] == 40 and "epochs" not in options and "checkpoint_dir" not in options
-    assert [repr(x) for x in options["loggers"]] == [f"TensorBoardLogger({str(tmp_path / 'runs')!r})"]
+    assert [repr(x) for x in options["report_to"]] == [f"TensorBoardLogger({str(tmp_path / 'runs')!r})"]
     assert not (tmp_path / "runs").exists()  # opened at the first log, on the main process
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from shardwise._config_source import Source, log
 from shardwise.configs.accelerate import accelerate_transforms
-from shardwise.env import Env
+from shardwise.env import Env, launch_rank
 from shardwise.errors import ConfigError
 from shardwise.transforms.accumulation import accumulate_gradients
 from shardwise.transforms.base import Transform
@@ -186,6 +186,6 @@ def read_accelerate_variables(env: Env) -> tuple[list[Transform], list[str]]:
     except ConfigError as exc:
         raise _named(exc, names) from None
     notices = [_named(ConfigError(n), names).args[0] for n in config.notices]
-    for line in notices:
+    for line in notices if launch_rank() == 0 else ():  # one rank says it
         log.warning(line)
     return out, [*src.notices, *notices]

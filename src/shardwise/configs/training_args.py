@@ -217,7 +217,7 @@ def read_training_args(args: Any, env: Env | None = None, engine: str = "native"
         policy = next((t.policy for t in out if isinstance(t, Shard)), None)
         out.append(checkpoint_activations(policy))
     out.append(_data(src, a, accel))
-    fit, notes = fit_settings(src, a) if not trainer else ({}, [])
+    fit, notes = fit_settings(src, a, env.world_size) if not trainer else ({}, [])
     return TrainingSettings(overrides, tuple(out), fit, (*src.notices, *notes), origin)
 
 

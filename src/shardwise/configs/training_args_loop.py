@@ -23,16 +23,30 @@ def fraction_or_count(src: Source, key: str, value: Any, max_steps: int) -> int:
     return src.integer(key, value, 1)
 
 
-def strategy(src: Source, key: str, value: Any, accepted: tuple[str, ...]) -> str:
+def strategy(src: Source, key: str, value: Any, accepted: tuple[str, ...],
+             per_epoch: str = "") -> str:
+    """A ``*_strategy`` value (an enum's value, not its repr, in a refusal); ``per_epoch``
+    says which step interval gives once per epoch."""
     text = plain_value(value)
     if not isinstance(text, str) or text.lower() not in accepted:
-        why = " (sw.fit counts optimizer steps)" if text in ("epoch", "best") else ""
-        raise src.fail(key, value, ", ".join(accepted) + why)
+        why = " (sw.fit counts optimizer steps" + (f"; once per epoch is {per_epoch}" if
+                                                    per_epoch and text == "epoch" else "") + ")" \
+            if text in ("epoch", "best") else ""
+        raise src.fail(key, text, ", ".join(accepted) + why)
     return text.lower()
 
 
-def fit_settings(src: Source, a: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The ``sw.fit`` options, and notes for explain()."""
+def _per_epoch(a: dict[str, Any], key: str, world: int) -> str:
+    """The ``*_steps`` of one action per epoch, as a formula of this run's values."""
+    return (f"{key}=ceil(dataset size / ({a['per_device_train_batch_size']} per device x "
+            f"{world} rank(s) x {a['gradient_accumulation_steps']} accumulation steps)) with "
+            f"the strategy \"steps\"")
+
+
+def fit_settings(src: Source, a: dict[str, Any], world: int = 1
+                 ) -> tuple[dict[str, Any], list[str]]:
+    """The ``sw.fit`` options, and notes for explain() (``world``: the ranks, for the
+    refusal of an epoch strategy)."""
     fit: dict[str, Any] = {}
     notes: list[str] = []
     max_steps = src.integer("max_steps", a["max_steps"], -1)
@@ -44,10 +58,12 @@ def fit_settings(src: Source, a: dict[str, Any]) -> tuple[dict[str, Any], list[s
             raise src.fail("num_train_epochs", a["num_train_epochs"], "a whole number of epochs "
                            ">= 1 (for part of an epoch, set max_steps)")
         fit["epochs"] = int(epochs)
-    logging = strategy(src, "logging_strategy", a["logging_strategy"], ("steps", "no"))
+    logging = strategy(src, "logging_strategy", a["logging_strategy"], ("steps", "no"),
+                        _per_epoch(a, "logging_steps", world))
     fit["log_every"] = None if logging == "no" else fraction_or_count(
         src, "logging_steps", a["logging_steps"], max_steps)
-    saving = strategy(src, "save_strategy", a["save_strategy"], ("steps", "no"))
+    saving = strategy(src, "save_strategy", a["save_strategy"], ("steps", "no"),
+                        _per_epoch(a, "save_steps", world))
     output = src.text("output_dir", "trainer_output" if a["output_dir"] is None
                       else str(a["output_dir"]))
     if saving == "steps":
@@ -60,7 +76,8 @@ def fit_settings(src: Source, a: dict[str, Any]) -> tuple[dict[str, Any], list[s
                      "(the Trainer resumes only when asked)")
     elif a["save_total_limit"] is not None:
         src.notice("save_total_limit", "is not applied: save_strategy is no")
-    evaluating = strategy(src, "eval_strategy", a["eval_strategy"], ("steps", "no"))
+    evaluating = strategy(src, "eval_strategy", a["eval_strategy"], ("steps", "no"),
+                        _per_epoch(a, "eval_steps", world))
     if evaluating == "steps":
         every = a["eval_steps"] if a["eval_steps"] is not None else a["logging_steps"]
         fit["eval_every"] = fraction_or_count(src, "eval_steps", every, max_steps)
@@ -70,7 +87,9 @@ def fit_settings(src: Source, a: dict[str, Any]) -> tuple[dict[str, Any], list[s
                    f"checkpoint in {output}; for another one, sw.load it and pass state=")
     fit["progress"] = not (a["disable_tqdm"] is not None
                            and src.boolean("disable_tqdm", a["disable_tqdm"]))
-    fit["loggers"] = loggers_of(src, a["report_to"], output)
+    reporting = loggers_of(src, a["report_to"], output)
+    if reporting:  # beside any loggers= of the caller's: sw.fit(bundle, loggers=..., **options)
+        fit["report_to"] = reporting
     return fit, notes
 
 

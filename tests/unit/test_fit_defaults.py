@@ -1,0 +1,103 @@
+# sw.fit where it surprised users: what it shows, a finished run, loggers beside fit_options, lr.
+import logging
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import shardwise as sw
+from shardwise._config_source import Source
+from shardwise.errors import ConfigError
+from shardwise.testing import SyntheticRegression, TinyMLP
+
+ONE = sw.Env()
+
+
+class Recording:
+    def __init__(self):
+        self.logged = []
+
+    def log(self, metrics, step):
+        self.logged.append((step, dict(metrics)))
+
+    def close(self):
+        pass
+
+
+def bundle_of(lr=0.1, size=16):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    loader = DataLoader(SyntheticRegression(size), batch_size=4)
+    return sw.pipeline(ONE)(model, optimizer, loader, scheduler=scheduler)
+
+
+def test_each_logging_step_is_shown_above_the_bar_whatever_the_logging_level(capsys):
+    sw.fit(bundle_of(), epochs=1, log_every=2, progress=True)
+    shown = capsys.readouterr().out
+    assert "step 2: train/loss" in shown and "step 4: train/loss" in shown
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_used():
+    recording = Recording()
+    sw.fit(bundle_of(), epochs=1, log_every=1, progress=False, loggers=[recording])
+    rates = [metrics["train/lr"] for _, metrics in recording.logged]
+    assert rates == [0.1, 0.05, 0.025, 0.0125]  # step 1 ran at the initial rate, as logged
+
+
+def test_a_finished_run_says_so_and_trains_nothing(tmp_path, caplog):
+    sw.fit(bundle_of(), steps=3, checkpoint_dir=tmp_path, progress=False)
+    again = bundle_of()
+    before = [p.detach().clone() for p in again.model.parameters()]
+    with caplog.at_level(logging.WARNING):
+        state = sw.fit(again, steps=3, checkpoint_dir=tmp_path, progress=False)
+    assert state.step == 3
+    assert "already complete at optimizer step 3" in caplog.text
+    # the state was loaded, and nothing trained after it
+    loaded = sw.load(tmp_path, bundle_of())
+    assert loaded.step == 3
+    assert any(not torch.equal(a, b) for a, b in zip(before, again.model.parameters(),
+                                                     strict=True))  # the checkpoint's weights
+
+
+def test_loggers_go_beside_the_ones_fit_options_give(tmp_path):
+    pytest.importorskip("tensorboard")
+    pipe = sw.from_training_args({"report_to": "tensorboard", "output_dir": str(tmp_path),
+                                  "per_device_train_batch_size": 4, "max_steps": 2,
+                                  "logging_steps": 1, "save_strategy": "no",
+                                  "use_cpu": True}, env=ONE)
+    torch.manual_seed(0)
+    model = TinyMLP()
+    bundle = pipe(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                  DataLoader(SyntheticRegression(16), batch_size=4))
+    recording = Recording()
+    sw.fit(bundle, loggers=[recording], **pipe.fit_options)
+    assert [step for step, _ in recording.logged] == [1, 2]
+    assert list((tmp_path / "runs").iterdir())  # and TensorBoard's event file was written
+
+
+def test_an_epoch_strategy_is_refused_with_the_interval_that_gives_one_per_epoch():
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(output_dir="out", eval_strategy="epoch",
+                                          per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=3, use_cpu=True)
+    with pytest.raises(ConfigError) as refused:
+        sw.from_training_args(args, env=ONE)
+    text = str(refused.value)
+    assert "eval_strategy='epoch' is not accepted" in text and "IntervalStrategy" not in text
+    assert ("once per epoch is eval_steps=ceil(dataset size / (2 per device x 1 rank(s) x 3 "
+            "accumulation steps))") in text
+
+
+def test_a_configs_notices_are_logged_by_one_rank(monkeypatch, caplog):
+    for rank, logged in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        caplog.clear()
+        src = Source({}, "cfg.yaml")
+        with caplog.at_level(logging.WARNING):
+            src.notice("ipex_config", "is not applied")
+        assert src.notices == ["cfg.yaml: ipex_config is not applied"]  # explain() has it
+        assert ("ipex_config is not applied" in caplog.text) is logged

@@ -63,3 +63,30 @@ def test_finetune_example_evaluates_exactly_and_resumes_on_two_processes(tmp_pat
     assert final and final[0][1] == "203"  # no padded sample counted twice
     assert float(final[0][0]) > 0.8, straight
     assert resumed.strip().splitlines()[-1] == straight.strip().splitlines()[-1]
+
+
+TRAINER = EXAMPLE.parent / "trainer_on_shardwise.py"
+
+
+def test_the_trainer_example_runs_on_two_ranks_as_on_accelerate(tmp_path):
+    """The Trainer script with one import changed: the same final numbers as on Accelerate;
+    resumed from its own last checkpoint it evaluates the same model."""
+    pytest.importorskip("transformers")
+
+    def torchrun(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(TRAINER),
+               *args]
+        out = run(cmd)[0]
+        return re.findall(r"final: eval_loss (\S+) accuracy (\S+) step (\d+) on 2 process\(es\) "
+                          r"with (\w+)", out)[0]
+
+    ours = torchrun("--output-dir", str(tmp_path / "a"))
+    theirs = torchrun("--output-dir", str(tmp_path / "b"), "--accelerate")
+    assert ours[3] == "ShardwiseAccelerator" and theirs[3] == "Accelerator"
+    assert abs(float(ours[0]) - float(theirs[0])) < 1e-5 and ours[1:3] == theirs[1:3]
+    assert float(ours[1]) > 0.5  # it learned to count
+    # run again on the same output_dir: the Trainer resumes from its last checkpoint (the
+    # end), trains nothing more and evaluates the same model
+    again = torchrun("--output-dir", str(tmp_path / "a"), "--resume")
+    assert again[2] == ours[2] and abs(float(again[0]) - float(ours[0])) < 1e-6

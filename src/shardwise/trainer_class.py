@@ -7,9 +7,13 @@ the Trainer calls for every distributed mechanic. On shardwise it builds a
 (read as :func:`shardwise.from_training_args` reads them, without the ``sw.fit`` options).
 The forward's autocast comes from the pipeline's precision through
 ``autocast_smart_context_manager``, which the Trainer leaves to Accelerate, and a resumed
-epoch starts part-way through its order (``get_resumed_dataloader``). Those are the three
-overridden methods, all public hooks of the Trainer: the loop, callbacks, compute_metrics,
-best model, early stopping, report_to and checkpoints stay the Trainer's.
+epoch starts part-way through its order (``get_resumed_dataloader``): three public hooks of
+the Trainer. For a sharded model (FSDP2) four of its checkpoint steps (``_save``,
+``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``, ``_load_best_model``)
+go through :mod:`shardwise.trainer_checkpoint`, which gathers whole tensors into the
+Trainer's own files; with an unsharded model they are the Trainer's. The loop, callbacks,
+compute_metrics, best model, early stopping, report_to and the checkpoint layout stay the
+Trainer's.
 """
 
 from __future__ import annotations
@@ -42,9 +46,8 @@ def _check_version(found: str = transformers.__version__) -> None:
                        f"transformers {'/'.join(sorted(tested))}.x, or train with sw.fit")
 
 
-#: TrainingArguments whose engines do not run under the Trainer on shardwise yet: their
-#: checkpoints (sharded model and optimizer state) need the Trainer's saving to go through DCP
-_NOT_YET = {"fsdp": "FSDP2", "deepspeed": "DeepSpeed", "parallelism_config": "a device mesh",
+#: TrainingArguments whose engines do not run under the Trainer on shardwise yet
+_NOT_YET = {"deepspeed": "DeepSpeed", "parallelism_config": "a device mesh",
             "fp16": "fp16's loss scaler"}
 
 
@@ -53,8 +56,7 @@ def _refuse_not_yet(args: Any) -> None:
         value = getattr(args, name, None)
         if value not in (None, False, "", [], {}):
             raise ConfigError.at("TrainingArguments", f"{name}={short(value)} is not supported "
-                                 f"by the Trainer on shardwise yet ({what}: the Trainer would "
-                                 "save one rank's shard as the whole checkpoint); use "
+                                 f"by the Trainer on shardwise yet ({what}); use "
                                  "sw.from_training_args(args) with sw.fit, or the Trainer on "
                                  "Accelerate")
 
@@ -91,6 +93,36 @@ def _resumed(base: type) -> Any:
     return get_resumed_dataloader
 
 
+def _checkpoints(base: type) -> dict[str, Any]:
+    """The Trainer's four checkpoint steps, through :mod:`shardwise.trainer_checkpoint` when
+    the model is sharded (the Trainer's own otherwise)."""
+    from shardwise import trainer_checkpoint as sharded_files
+
+    def _save(self: Any, output_dir: str | None = None, state_dict: Any = None) -> None:
+        if not sharded_files.sharded(self):
+            return base._save(self, output_dir, state_dict=state_dict)  # type: ignore[attr-defined]
+        sharded_files.save_model_files(self, base._save, output_dir, state_dict)  # type: ignore[attr-defined]
+
+    def _save_optimizer_and_scheduler(self: Any, output_dir: str) -> None:
+        if not sharded_files.sharded(self):
+            return base._save_optimizer_and_scheduler(self, output_dir)  # type: ignore[attr-defined]
+        sharded_files.save_optimizer_and_scheduler(self, output_dir)
+
+    def _load_optimizer_and_scheduler(self: Any, checkpoint: str | None) -> None:
+        if not sharded_files.sharded(self):
+            return base._load_optimizer_and_scheduler(self, checkpoint)  # type: ignore[attr-defined]
+        sharded_files.load_optimizer_and_scheduler(self, checkpoint)
+
+    def _load_best_model(self: Any) -> None:
+        if not sharded_files.sharded(self):
+            return base._load_best_model(self)  # type: ignore[attr-defined]
+        sharded_files.load_best_model(self)
+
+    return {"_save": _save, "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
+            "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
+            "_load_best_model": _load_best_model}
+
+
 def on_shardwise(cls: type) -> type:
     """``cls`` (``transformers.Trainer`` or a subclass: TRL's SFTTrainer, your own) with its
     distributed mechanics run by shardwise instead of Accelerate.
@@ -115,7 +147,8 @@ def on_shardwise(cls: type) -> type:
         return cls
     namespace = {"create_accelerator_and_postprocess": _create_accelerator,
                  "autocast_smart_context_manager": _autocast,
-                 "get_resumed_dataloader": _resumed(cls), "_on_shardwise": True,
+                 "get_resumed_dataloader": _resumed(cls), **_checkpoints(cls),
+                 "_on_shardwise": True,
                  "__module__": cls.__module__, "__doc__": cls.__doc__}
     return type(cls.__name__, (cls,), namespace)
 

@@ -68,8 +68,11 @@ def train(on_shardwise, output_dir, overrides, sizes=(16, 8), stop=None, resume=
     trainer.train(resume_from_checkpoint=resume)
     history = [{k: v for k, v in log.items() if k in KEPT} for log in trainer.state.log_history]
     if args.load_best_model_at_end:
+        weight = trainer.model.lm_head.weight.detach()
+        if hasattr(weight, "full_tensor"):  # sharded: the whole tensor, on every rank
+            weight = weight.full_tensor()
         history.append({"best": int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1]),
-                        "weight": float(trainer.model.lm_head.weight.sum())})
+                        "weight": float(weight.double().square().sum())})
     return history, type(trainer.accelerator).__name__
 
 
@@ -97,8 +100,14 @@ def assert_same_logs(theirs, ours, tolerance=1e-6):
                 (key, value, other[key], mine)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"gradient_accumulation_steps": 2}, {"bf16": True}],
-                         ids=["ddp", "ddp-accumulation", "ddp-bf16"])
+#: fsdp="full_shard" as the Trainer takes it: FSDP2 on each decoder layer, then the root
+FSDP2 = {"fsdp": "full_shard auto_wrap",
+         "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+
+
+@pytest.mark.parametrize("overrides", [{}, {"gradient_accumulation_steps": 2}, {"bf16": True},
+                                       {**FSDP2, "gradient_accumulation_steps": 2}],
+                         ids=["ddp", "ddp-accumulation", "ddp-bf16", "fsdp2-accumulation"])
 def test_the_trainer_on_shardwise_logs_what_it_logs_on_accelerate(tmp_path, overrides):
     theirs, ours = both(tmp_path, **overrides)
     assert any("eval_accuracy" in log for log in ours)
@@ -114,11 +123,12 @@ def test_datasets_that_do_not_divide_give_the_same_last_batches_and_evaluation(t
     assert_same_logs(theirs, ours)
 
 
-def test_resume_from_checkpoint_mid_epoch_continues_the_same_run(tmp_path):
+@pytest.mark.parametrize("engine", [{}, FSDP2], ids=["ddp", "fsdp2"])
+def test_resume_from_checkpoint_mid_epoch_continues_the_same_run(tmp_path, engine):
     """Stopped after optimizer step 5 (mid-epoch 2, a checkpoint every 5 steps) and resumed
     in new processes: the resumed run logs what the uninterrupted one logged from step 6 on,
     on shardwise as on Accelerate. The resumed epoch starts part-way through its order."""
-    saving = {"save_strategy": "steps", "save_steps": 5}
+    saving = {"save_strategy": "steps", "save_steps": 5, **engine}
     theirs, ours = both(tmp_path / "whole", **saving)
     assert_same_logs(theirs, ours)
     run_distributed(train, True, str(tmp_path / "cut"), saving, (16, 8), 5, timeout=300)
@@ -129,9 +139,12 @@ def test_resume_from_checkpoint_mid_epoch_continues_the_same_run(tmp_path):
     assert_same_logs(after, [log for log in resumed if log.get("step", 0) > 5])
 
 
-def test_load_best_model_at_end_keeps_the_same_best_checkpoint(tmp_path):
+@pytest.mark.parametrize("engine", [{}, FSDP2], ids=["ddp", "fsdp2"])
+def test_load_best_model_at_end_keeps_the_same_best_checkpoint(tmp_path, engine):
+    """The same best checkpoint, and the same weights loaded from it (a sharded model's
+    gathered to save and set back into its shards)."""
     theirs, ours = both(tmp_path, save_strategy="steps", save_steps=3, load_best_model_at_end=True,
-                        metric_for_best_model="eval_accuracy", greater_is_better=True)
+                        metric_for_best_model="eval_loss", **engine)
     assert theirs[-1]["best"] == ours[-1]["best"]
     assert_same_logs(theirs, ours)
 
@@ -148,8 +161,7 @@ def test_on_shardwise_refuses_what_is_not_a_trainer_and_an_untested_major_versio
     assert sw.on_shardwise(sw.Trainer) is sw.Trainer
 
 
-@pytest.mark.parametrize(("argument", "value"), [("fsdp", "full_shard"),
-                                                 ("parallelism_config", {"tp_size": 2})])
+@pytest.mark.parametrize(("argument", "value"), [("parallelism_config", {"tp_size": 2})])
 def test_engines_not_run_under_the_trainer_yet_are_refused_by_name(tmp_path, argument, value):
     from transformers import TrainingArguments
 

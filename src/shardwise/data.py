@@ -318,7 +318,7 @@ def _check_own_sampler(loader: Any, copies: int, shares: int, share: int) -> Non
 
 def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
                  pin_memory: bool = False, mesh: MeshLayout | None = None,
-                 split: str = "samples") -> Iterable[Any]:
+                 split: str = "samples", global_seed: bool = False) -> Iterable[Any]:
     """A copy of ``loader`` whose sampler is a ``DistributedSampler`` for ``env``.
 
     Keeps batch_size, shuffle, drop_last, collate_fn, workers and the rest. The shuffling
@@ -329,6 +329,11 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
     of a tensor-parallel group read the same share. ``split``: ``"samples"`` (rank r reads
     samples r, r + n, ... of the order, as ``DistributedSampler``) or ``"batches"`` (whole
     batches r, r + n, ..., every rank's last batch full: Accelerate's split).
+    ``global_seed``: without a generator of the user's, each epoch's iteration draws its
+    worker seed from torch's global random stream, as a plain or Accelerate-prepared
+    DataLoader does (later dropout and seeded inits then match theirs); by default the
+    loader has its own generator and draws nothing from it (a resumed run then consumes
+    random numbers exactly as an uninterrupted one).
 
     Raises:
         DataError: several ranks and a loader that cannot be split across them, or a
@@ -367,7 +372,8 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
         # the loader's own generator (seeded per epoch by DeviceLoader) rather than torch's
         # global one: starting an epoch then draws nothing from the RNG the model uses, so a
         # resumed run consumes random numbers exactly as an uninterrupted one
-        generator=loader.generator if loader.generator is not None else torch.Generator(),
+        generator=loader.generator if loader.generator is not None or global_seed
+        else torch.Generator(),
         **extra)
 
 

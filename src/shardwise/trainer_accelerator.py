@@ -29,7 +29,7 @@ from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader
 from shardwise.metrics import gather_for_metrics
 from shardwise.pipelines import Pipeline
-from shardwise.plan import Plan
+from shardwise.transforms.base import plan_of
 from shardwise.transforms.data_distribution import DistributeData
 
 __all__ = ["ShardwiseAccelerator"]
@@ -132,11 +132,11 @@ class ShardwiseAccelerator:
         self._synced = False  # a backward has synchronised gradients
         self._skipping = False  # inside no_sync
         self.parallelism_config = None
-        # Accelerate's split: each rank whole batches in turn, the last one full, so the
-        # per-rank batches (and float rounding) are the Trainer-on-Accelerate ones
-        self.data = attrs.evolve(next((t for t in pipe.transforms
-                                       if isinstance(t, DistributeData)), DistributeData()),
-                                 split="batches")
+        self.data = next((t for t in pipe.transforms if isinstance(t, DistributeData)),
+                         DistributeData())
+        # what the pipeline's settings record (the tensor-parallel mesh the data splits by),
+        # known before the model is prepared: the Trainer prepares its loaders first
+        self.plan = plan_of(pipe.transforms)
 
     # -- what the Trainer reads --------------------------------------------------------------
 
@@ -234,10 +234,15 @@ class ShardwiseAccelerator:
         return bundle
 
     def _prepare_loader(self, loader: DataLoader) -> _Tracked:
-        bundle = self.data(Bundle(model=nn.Identity(), loader=loader, env=self.env,
-                                  plan=Plan()))
-        assert isinstance(bundle.loader, DeviceLoader)
-        return _Tracked(bundle.loader, self)
+        """The loader split as Accelerate splits it (whole batches in turn), each epoch's
+        iteration drawing its seed from torch's global stream as Accelerate's does (so
+        dropout draws the same numbers), over the pipeline's data ranks."""
+        data, env = self.data, self.env
+        accelerate_like = attrs.evolve(data, split="batches", global_seed=True)
+        sharded = accelerate_like(Bundle(model=nn.Identity(), loader=loader, env=env,
+                                         plan=self.plan)).loader
+        assert isinstance(sharded, DeviceLoader)
+        return _Tracked(sharded, self)
 
     # -- the step ----------------------------------------------------------------------------
 

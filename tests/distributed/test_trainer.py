@@ -13,13 +13,14 @@ transformers = pytest.importorskip("transformers")
 VOCAB, LENGTH = 64, 8
 
 
-def tiny_llama():
+def tiny_llama(dropout=0.0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=LENGTH))
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=LENGTH,
+        attention_dropout=dropout))
 
 
 def token_data(count, seed):
@@ -51,7 +52,8 @@ def stop_at(step):
     return Stop()
 
 
-def train(on_shardwise, output_dir, overrides, sizes=(16, 8), stop=None, resume=None):
+def train(on_shardwise, output_dir, overrides, sizes=(16, 8), stop=None, resume=None,
+          dropout=0.0):
     """One Trainer run on this rank: its log history (every logging step and evaluation)."""
     from transformers import Trainer, TrainingArguments
 
@@ -62,7 +64,7 @@ def train(on_shardwise, output_dir, overrides, sizes=(16, 8), stop=None, resume=
         "save_strategy": "no", "report_to": [], "use_cpu": True, "ddp_backend": "gloo",
         "seed": 7, "disable_tqdm": True, "dataloader_num_workers": 0, **overrides})
     cls = sw.Trainer if on_shardwise else Trainer
-    trainer = cls(model=tiny_llama(), args=args, train_dataset=token_data(sizes[0], 1),
+    trainer = cls(model=tiny_llama(dropout), args=args, train_dataset=token_data(sizes[0], 1),
                   eval_dataset=token_data(sizes[1], 2), compute_metrics=accuracy,
                   callbacks=[] if stop is None else [stop_at(stop)])
     trainer.train(resume_from_checkpoint=resume)
@@ -80,10 +82,11 @@ def train(on_shardwise, output_dir, overrides, sizes=(16, 8), stop=None, resume=
 KEPT = ("loss", "learning_rate", "grad_norm", "eval_loss", "eval_accuracy", "epoch", "step")
 
 
-def both(tmp_path, sizes=(16, 8), **overrides):
+def both(tmp_path, sizes=(16, 8), dropout=0.0, **overrides):
     runs = {}
     for name, on in (("accelerate", False), ("shardwise", True)):
-        ranks = run_distributed(train, on, str(tmp_path / name), overrides, sizes, timeout=300)
+        ranks = run_distributed(train, on, str(tmp_path / name), overrides, sizes, None, None,
+                                dropout, timeout=300)
         histories = [history for history, _ in ranks]
         assert histories[0] == histories[1]  # every rank logs the same
         assert ranks[0][1] == ("ShardwiseAccelerator" if on else "Accelerator")
@@ -146,6 +149,13 @@ def test_load_best_model_at_end_keeps_the_same_best_checkpoint(tmp_path, engine)
     theirs, ours = both(tmp_path, save_strategy="steps", save_steps=3, load_best_model_at_end=True,
                         metric_for_best_model="eval_loss", **engine)
     assert theirs[-1]["best"] == ours[-1]["best"]
+    assert_same_logs(theirs, ours)
+
+
+def test_dropout_draws_the_same_numbers_as_on_accelerate(tmp_path):
+    """Each epoch's loader iteration draws its seed from torch's global stream as
+    Accelerate's prepared loader does, so dropout masks, and the losses, are the same."""
+    theirs, ours = both(tmp_path, dropout=0.3)
     assert_same_logs(theirs, ours)
 
 

@@ -175,3 +175,18 @@ def test_the_batches_split_resumes_mid_epoch_without_rereading_a_sample():
     rest = collections.Counter(i for share in ranks(cursor=8, world=4) for i in share)
     assert {i: rest[i] for i in set(range(20)) - read} == dict.fromkeys(set(range(20)) - read, 1)
     assert sum(rest.values()) == 16 and set(rest) - (set(range(20)) - read) <= read
+
+
+@pytest.mark.parametrize("global_seed", [False, True])
+def test_a_loader_draws_from_the_global_stream_only_when_asked(global_seed):
+    """By default a sharded loader has its own generator (a resumed run draws what an
+    uninterrupted one draws); ``global_seed=True`` draws one number per epoch from torch's
+    global stream, as a plain or Accelerate-prepared DataLoader does."""
+    loader = DataLoader(SyntheticRegression(8), batch_size=2, shuffle=True)
+    sharded = shard_loader(loader, sw.Env(), seed=1, global_seed=global_seed)
+    torch.manual_seed(0)
+    list(sharded)
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    untouched = torch.rand(1)
+    assert torch.equal(after, untouched) is not global_seed

@@ -46,6 +46,11 @@ class DistributeData(Transform):
             batches r, r + n, ... with every rank's last batch full, as Accelerate's
             prepared loaders; the Trainer on shardwise uses it). The global batches are the
             same either way; the per-rank batches, and so float rounding, differ.
+        global_seed: each epoch's iteration draws its seed from torch's global random
+            stream, as a plain or Accelerate-prepared DataLoader does, so dropout and later
+            seeded inits draw what they draw there (the Trainer on shardwise does). By
+            default the loader has its own generator: a resumed run then draws exactly what
+            an uninterrupted one draws.
 
     Example:
         >>> bundle = sw.pipeline(sw.distribute_data(seed=1))(model, optimizer, loader)
@@ -55,6 +60,7 @@ class DistributeData(Transform):
     pin_memory: bool | None = attrs.field(default=None, kw_only=True, validator=optional_boolean)
     seed: int = attrs.field(default=0, kw_only=True, validator=integer)
     split: Split = attrs.field(default="samples", kw_only=True, validator=_split)
+    global_seed: bool = attrs.field(default=False, kw_only=True, validator=boolean)
     stage: ClassVar[Stage] = Stage.DATA
     factory_name: ClassVar[str] = "distribute_data"
 
@@ -75,7 +81,7 @@ class DistributeData(Transform):
             if loader is None:
                 return None
             sharded = shard_loader(loader, env, seed=self.seed, pin_memory=pin, mesh=mesh,
-                                   split=self.split)
+                                   split=self.split, global_seed=self.global_seed)
             return DeviceLoader(sharded, env.device, non_blocking=self.non_blocking)
 
         return attrs.evolve(bundle, loader=distributed(bundle.loader),

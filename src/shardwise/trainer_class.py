@@ -47,7 +47,7 @@ def _check_version(found: str = transformers.__version__) -> None:
 
 
 #: TrainingArguments whose engines do not run under the Trainer on shardwise yet
-_NOT_YET = {"deepspeed": "DeepSpeed",
+_NOT_YET = {
             "fp16": "fp16's loss scaler"}
 
 

@@ -108,10 +108,20 @@ FSDP2 = {"fsdp": "full_shard auto_wrap",
          "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
 
 
+#: a DeepSpeed ZeRO-2 config with the Trainer's "auto" values: DeepSpeed's engine on
+#: Accelerate, its native mapping (shard(reshard_after_forward=False)) on shardwise
+ZERO2 = {"deepspeed": {"zero_optimization": {"stage": 2}, "train_batch_size": "auto",
+                       "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                       "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}}}
+
+
 @pytest.mark.parametrize("overrides", [{}, {"gradient_accumulation_steps": 2}, {"bf16": True},
-                                       {**FSDP2, "gradient_accumulation_steps": 2}],
-                         ids=["ddp", "ddp-accumulation", "ddp-bf16", "fsdp2-accumulation"])
+                                       {**FSDP2, "gradient_accumulation_steps": 2}, ZERO2],
+                         ids=["ddp", "ddp-accumulation", "ddp-bf16", "fsdp2-accumulation",
+                              "deepspeed-zero2"])
 def test_the_trainer_on_shardwise_logs_what_it_logs_on_accelerate(tmp_path, overrides):
+    if "deepspeed" in overrides:
+        pytest.importorskip("deepspeed")
     theirs, ours = both(tmp_path, **overrides)
     assert any("eval_accuracy" in log for log in ours)
     assert any("grad_norm" in log for log in ours)
@@ -191,9 +201,9 @@ def test_on_shardwise_refuses_what_is_not_a_trainer_and_an_untested_major_versio
 def test_engines_not_run_under_the_trainer_yet_are_refused_by_name(tmp_path):
     from transformers import TrainingArguments
 
-    argument = "deepspeed"
+    argument = "fp16"
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    args.deepspeed = {"zero_optimization": {"stage": 2}}  # set after: no DeepSpeed import
+    args.fp16 = True  # set after: a CPU TrainingArguments refuses fp16 itself
     with pytest.raises(sw.errors.ConfigError, match=rf"{argument}=.* is not supported by the "
                                                     r"Trainer on shardwise yet"):
         sw.Trainer(model=tiny_llama(), args=args, train_dataset=token_data(4, 1))

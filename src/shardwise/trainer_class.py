@@ -52,6 +52,14 @@ _NOT_YET = {
 
 
 def _refuse_not_yet(args: Any) -> None:
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if getattr(args, "deepspeed", None) and is_deepspeed_zero3_enabled():
+        raise ConfigError.at("TrainingArguments", "deepspeed with zero_optimization.stage=3 is "
+                             "not supported by the Trainer on shardwise: TrainingArguments turns "
+                             "on DeepSpeed's zero.Init, so from_pretrained builds a model "
+                             "DeepSpeed has partitioned; use fsdp=\"full_shard\" (FSDP2, the same "
+                             "sharding) or stage 1/2")
     for name, what in _NOT_YET.items():
         value = getattr(args, name, None)
         if value not in (None, False, "", [], {}):

@@ -198,6 +198,21 @@ def test_on_shardwise_refuses_what_is_not_a_trainer_and_an_untested_major_versio
     assert sw.on_shardwise(sw.Trainer) is sw.Trainer
 
 
+def test_deepspeed_zero3_is_refused_under_the_trainer(tmp_path):
+    pytest.importorskip("deepspeed")
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    stage3 = {**ZERO2["deepspeed"], "zero_optimization": {"stage": 3}}
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             deepspeed=stage3)
+    try:
+        with pytest.raises(sw.errors.ConfigError, match=r"stage=3 is not supported .*zero.Init"):
+            sw.Trainer(model=tiny_llama(), args=args, train_dataset=token_data(4, 1))
+    finally:
+        unset_hf_deepspeed_config()
+
+
 def test_engines_not_run_under_the_trainer_yet_are_refused_by_name(tmp_path):
     from transformers import TrainingArguments
 

@@ -186,6 +186,52 @@ def test_tensor_parallel_from_parallelism_config_equals_ddp_on_accelerate(tmp_pa
     assert saved["model.layers.0.self_attn.q_proj.weight"].shape == (16, 16)  # whole
 
 
+def word_tokenizer():
+    """A tokenizer of the tiny vocabulary, built offline (TRL's trainer needs one)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 2)} | {"<pad>": VOCAB - 2, "</s>": VOCAB - 1}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        vocab, unk_token="<pad>")), pad_token="<pad>", eos_token="</s>")
+
+
+def sft(on_shardwise, output_dir):
+    """TRL's SFTTrainer fine-tuning a LoRA adapter (PEFT) on pre-tokenised sequences."""
+    import datasets
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    ids = torch.randint(0, VOCAB - 2, (16, LENGTH), generator=torch.Generator().manual_seed(1))
+    args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=2, num_train_epochs=2,
+                     learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[],
+                     use_cpu=True, ddp_backend="gloo", seed=7, disable_tqdm=True,
+                     max_length=LENGTH)
+    cls = sw.on_shardwise(SFTTrainer) if on_shardwise else SFTTrainer
+    trainer = cls(model=tiny_llama(), args=args,
+                  train_dataset=datasets.Dataset.from_dict({"input_ids": ids.tolist()}),
+                  processing_class=word_tokenizer(),
+                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer.train()
+    trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    history = [{k: v for k, v in log.items() if k in KEPT} for log in trainer.state.log_history]
+    return history, type(trainer.accelerator).__name__, trained
+
+
+def test_trls_sft_trainer_with_a_lora_adapter_runs_on_shardwise_with_equal_losses(tmp_path):
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    runs = {}
+    for name, on in (("accelerate", False), ("shardwise", True)):
+        ranks = run_distributed(sft, on, str(tmp_path / name), timeout=400)
+        assert ranks[0][0] == ranks[1][0]
+        runs[name] = ranks[0]
+    theirs, ours = runs["accelerate"], runs["shardwise"]
+    assert ours[1] == "ShardwiseAccelerator"
+    assert ours[2] == theirs[2] and all("lora_" in name for name in ours[2])  # the adapter alone
+    assert_same_logs(theirs[0], ours[0])
+
+
 def test_on_shardwise_refuses_what_is_not_a_trainer_and_an_untested_major_version():
     from shardwise.trainer_class import _check_version
 
@@ -223,3 +269,13 @@ def test_engines_not_run_under_the_trainer_yet_are_refused_by_name(tmp_path):
                                                     r"Trainer on shardwise yet"):
         sw.Trainer(model=tiny_llama(), args=args, train_dataset=token_data(4, 1))
     assert issubclass(sw.Trainer, transformers.Trainer) and sw.Trainer.__name__ == "Trainer"
+
+
+def test_a_trainingarguments_subclass_is_read_and_its_own_fields_noticed(tmp_path):
+    trl = pytest.importorskip("trl")
+    args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_length=64,
+                         gradient_accumulation_steps=2, bf16=False)
+    pipe = sw.from_training_args(args, env=sw.Env())
+    assert sw.accumulate_gradients(2) in pipe.transforms
+    assert any("max_length" in notice and "are SFTConfig's own fields" in notice
+               for notice in pipe.notes), pipe.notes

@@ -77,12 +77,23 @@ def _fields(args: Any) -> tuple[dict[str, Any], str, bool]:
                               "the fields of transformers.TrainingArguments (see "
                               "docs/training-args.md)")
         return {**DEFAULTS, **data}, "training arguments <mapping>", False
-    if dataclasses.is_dataclass(args) and not isinstance(args, type) and \
-            type(args).__name__ == "TrainingArguments":
-        data = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-        return data, "TrainingArguments", True
+    base = next((c for c in type(args).__mro__ if c.__name__ == "TrainingArguments"), None)
+    if dataclasses.is_dataclass(args) and not isinstance(args, type) and base is not None:
+        # a subclass's own fields (TRL's SFTConfig: max_length, packing, ...) are its
+        # Trainer's: under that Trainer they are applied there, read here they are not
+        data = {f.name: getattr(args, f.name) for f in dataclasses.fields(base)}
+        return data, type(args).__name__, True
     raise ConfigError(f"from_training_args() takes a transformers.TrainingArguments or a mapping "
                       f"of its field names (got {type(args).__name__}: {short(args)})")
+
+
+def _subclass_fields(args: Any) -> list[str]:
+    """The fields a TrainingArguments subclass adds that are set (not their default)."""
+    base = next(c for c in type(args).__mro__ if c.__name__ == "TrainingArguments")
+    inherited = {f.name for f in dataclasses.fields(base)}
+    defaults = _defaults_of(args)
+    return sorted(f.name for f in dataclasses.fields(args) if f.name not in inherited
+                  and _is_set(getattr(args, f.name), defaults.get(f.name)))
 
 
 def _defaults_of(args: Any) -> dict[str, Any]:
@@ -167,6 +178,11 @@ def read_training_args(args: Any, env: Env | None = None, engine: str = "native"
     """
     a, origin, instance = _fields(args)
     src = Source({}, origin)
+    own = _subclass_fields(args) if instance and not trainer else []
+    if own:
+        src.notice(f"{', '.join(own[:5])}{', ...' if own[5:] else ''}", f"are {origin}'s own "
+                   f"fields, set beyond TrainingArguments': they are not applied here (its "
+                   "Trainer applies them; see sw.on_shardwise)")
     defaults = _defaults_of(args) if instance else {}
     for name, why in NOTICED.items():
         if not trainer and name in a and _is_set(a[name], defaults.get(name)):
@@ -213,7 +229,9 @@ def read_training_args(args: Any, env: Env | None = None, engine: str = "native"
             out.append(src.build("max_grad_norm", clip, clip_gradients, clip))
         out.append(per_device_batch(value(said, "micro", None), origin))
     out += _compiled(src, a)
-    if _checkpointing(src, a) and not any(isinstance(t, CheckpointActivations) for t in out):
+    # under a Trainer it checkpoints the model itself (gradient_checkpointing_enable)
+    if not trainer and _checkpointing(src, a) and \
+            not any(isinstance(t, CheckpointActivations) for t in out):
         policy = next((t.policy for t in out if isinstance(t, Shard)), None)
         out.append(checkpoint_activations(policy))
     out.append(_data(src, a, accel))

@@ -104,7 +104,9 @@ class DistributeData(Transform):
                 f"{self.seed}, set_epoch every epoch; {self._move(env)}")
 
     def describe(self, env: Env) -> str:
-        split = ", whole batches in turn (Accelerate's split)" if self.split == "batches" else ""
+        split = (", whole batches in turn (Accelerate's split)" if self.split == "batches" else
+                 ", a sample at a time (Accelerate deals whole batches: the same global batches, "
+                 "other per-rank ones; split='batches' gives its)")
         share = (f"DistributedSampler: each of {env.world_size} ranks reads 1/{env.world_size}"
                  f"{split}" if env.is_distributed else "sampler order fixed by seed")
         return f"{share}, seed {self.seed}, set_epoch every epoch; {self._move(env)}"

@@ -27,7 +27,10 @@ from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError, ConfigError, ConflictError, ShardwiseError
 from shardwise.pipelines import Pipeline, assemble
 from shardwise.state import OnNonFinite, check_on_nonfinite
-from shardwise.transforms.base import Transform
+from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.offloading import Offload
+from shardwise.transforms.precision_policy import MixedPrecision
+from shardwise.transforms.replication import Replicate
 
 __all__ = ["pipeline", "from_config", "from_ddp_args", "from_training_args"]
 
@@ -209,8 +212,49 @@ def from_training_args(args: Any, *, env: Env | None = None, engine: str = "nati
 def trainer_pipeline(args: Any) -> Pipeline:
     """The pipeline a Trainer on shardwise runs: what ``from_training_args(args)`` gives,
     without the ``sw.fit`` options and without notices for the fields the Trainer applies
-    itself (its optimizer, scheduler, loaders, evaluation, logging, checkpoints, Hub)."""
-    return _training_pipeline(args, None, "native", trainer=True)
+    itself (its optimizer, scheduler, loaders, evaluation, logging, checkpoints, Hub).
+
+    Started by ``accelerate launch``, the launch config fills in what the arguments leave
+    out, as the Trainer on Accelerate takes it: its distribution (FSDP, DeepSpeed mapped
+    natively, a mesh) where ``fsdp``, ``deepspeed`` and ``parallelism_config`` are unset,
+    and its mixed precision where neither ``bf16`` nor ``fp16`` is set.
+    """
+    settings = read_training_args(args, None, "native", trainer=True)
+    env = detect(**settings.overrides)
+    transforms, notices = list(settings.transforms), list(settings.notices)
+    from shardwise.configs.accelerate_env import launched_by_accelerate, read_accelerate_variables
+
+    if launched_by_accelerate(env):
+        launched, more = read_accelerate_variables(env)
+        transforms = _with_launch(args, transforms, launched)
+        notices += more
+    config = ConfigResult(tuple(transforms), tuple(notices), settings.origin,
+                          "training arguments", env)
+    return assemble(env, [], config, reason=f"from {settings.origin}")
+
+
+#: the launch config's distribution: the transforms that shard, split or replicate the model
+_DISTRIBUTION = (Stage.TENSOR_PARALLEL, Stage.DISTRIBUTION)
+
+
+def _with_launch(args: Any, own: list[Transform], launched: list[Transform]) -> list[Transform]:
+    """``own`` (the arguments') with what ``accelerate launch`` says where they are silent."""
+    def said(name: str) -> bool:
+        return bool(getattr(args, name, None) if not isinstance(args, Mapping)
+                    else args.get(name))
+
+    out = list(own)
+    distribution = [t for t in launched if t.stage in _DISTRIBUTION or isinstance(t, Offload)]
+    if distribution and not any(said(n) for n in ("fsdp", "deepspeed", "parallelism_config")) \
+            and any(t.stage == Stage.DISTRIBUTION and not isinstance(t, Replicate)
+                    for t in distribution):
+        out = [t for t in out if t.stage not in _DISTRIBUTION] + distribution
+        out += [t for t in launched if t.stage == Stage.SURGERY
+                and not any(o.stage == Stage.SURGERY for o in own)]  # FSDP's checkpointing
+    precision: list[Transform] = [t for t in launched if isinstance(t, MixedPrecision)]
+    if precision and not (said("bf16") or said("fp16")):
+        out = [t for t in out if not isinstance(t, MixedPrecision)] + precision
+    return out
 
 
 def _training_pipeline(args: Any, env: Env | None, engine: str, *, trainer: bool) -> Pipeline:

@@ -53,10 +53,14 @@ def stop_at(step):
 
 
 def train(on_shardwise, output_dir, overrides, sizes=(16, 8), stop=None, resume=None,
-          dropout=0.0):
-    """One Trainer run on this rank: its log history (every logging step and evaluation)."""
+          dropout=0.0, launch=None):
+    """One Trainer run on this rank: its log history (every logging step and evaluation);
+    ``launch``: the variables ``accelerate launch`` would have set."""
+    import os
+
     from transformers import Trainer, TrainingArguments
 
+    os.environ.update(launch or {})
     args = TrainingArguments(**{
         "output_dir": output_dir, "per_device_train_batch_size": 2,
         "per_device_eval_batch_size": 2, "num_train_epochs": 2, "learning_rate": 3e-3,
@@ -75,6 +79,9 @@ def train(on_shardwise, output_dir, overrides, sizes=(16, 8), stop=None, resume=
             weight = weight.full_tensor()
         history.append({"best": int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1]),
                         "weight": float(weight.double().square().sum())})
+    if launch:  # what ran: shardwise's engine, or whether Accelerate ran FSDP
+        history.append({"engine": trainer.accelerator.bundle.engine.name if on_shardwise
+                        else "FSDP2" if trainer.is_fsdp_enabled else "DDP"})
     return history, type(trainer.accelerator).__name__
 
 
@@ -95,6 +102,7 @@ def both(tmp_path, sizes=(16, 8), dropout=0.0, **overrides):
 
 
 def assert_same_logs(theirs, ours, tolerance=1e-6):
+    ours, theirs = ([log for log in logs if "engine" not in log] for logs in (ours, theirs))
     assert len(theirs) == len(ours) and len(ours) > 4
     for mine, other in zip(ours, theirs, strict=True):
         assert mine.keys() == other.keys(), (mine, other)
@@ -230,6 +238,30 @@ def test_trls_sft_trainer_with_a_lora_adapter_runs_on_shardwise_with_equal_losse
     assert ours[1] == "ShardwiseAccelerator"
     assert ours[2] == theirs[2] and all("lora_" in name for name in ours[2])  # the adapter alone
     assert_same_logs(theirs[0], ours[0])
+
+
+#: what `accelerate launch --config_file` sets for an FSDP2 config (Accelerate 1.16), fp32
+LAUNCHED_FSDP2 = {
+    "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer", "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+    "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_OFFLOAD_PARAMS": "false",
+    "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "FSDP_ACTIVATION_CHECKPOINTING": "false"}
+
+
+def test_a_trainer_started_by_accelerate_launch_takes_its_config_as_on_accelerate(tmp_path):
+    """TrainingArguments without fsdp, in processes ``accelerate launch`` started with an
+    FSDP2 config: the Trainer on shardwise shards as that config says. On CPU ranks the
+    Trainer on Accelerate silently runs DDP instead (its state takes ACCELERATE_USE_FSDP on
+    accelerators only); the logs agree all the same, FSDP2 computing what DDP does."""
+    runs = {}
+    for name, on in (("accelerate", False), ("shardwise", True)):
+        ranks = run_distributed(train, on, str(tmp_path / name), {}, (16, 8), None, None, 0.0,
+                                LAUNCHED_FSDP2, timeout=300)
+        runs[name] = ranks[0][0]
+    assert runs["shardwise"][-1] == {"engine": "FSDP2"}
+    assert runs["accelerate"][-1] == {"engine": "DDP"}
+    assert_same_logs(runs["accelerate"], runs["shardwise"])
 
 
 def test_on_shardwise_refuses_what_is_not_a_trainer_and_an_untested_major_version():

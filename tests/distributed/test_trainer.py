@@ -61,6 +61,10 @@ def train(on_shardwise, output_dir, overrides, sizes=(16, 8), stop=None, resume=
     from transformers import Trainer, TrainingArguments
 
     os.environ.update(launch or {})
+    if overrides.pop("device_budget", None):  # a device too small for DDP's copy
+        import shardwise.choice
+
+        shardwise.choice.budget = lambda env: 64 * 1024
     args = TrainingArguments(**{
         "output_dir": output_dir, "per_device_train_batch_size": 2,
         "per_device_eval_batch_size": 2, "num_train_epochs": 2, "learning_rate": 3e-3,
@@ -79,10 +83,10 @@ def train(on_shardwise, output_dir, overrides, sizes=(16, 8), stop=None, resume=
             weight = weight.full_tensor()
         history.append({"best": int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1]),
                         "weight": float(weight.double().square().sum())})
-    if launch:  # what ran: shardwise's engine, or whether Accelerate ran FSDP
-        history.append({"engine": trainer.accelerator.bundle.engine.name if on_shardwise
-                        else "FSDP2" if trainer.is_fsdp_enabled else "DDP"})
-    return history, type(trainer.accelerator).__name__
+    # what ran: shardwise's engine, or whether Accelerate ran FSDP
+    engine = trainer.accelerator.bundle.engine.name if on_shardwise else \
+        "FSDP2" if trainer.is_fsdp_enabled else "DDP"
+    return history, type(trainer.accelerator).__name__, engine
 
 
 #: what must agree at every logging step and evaluation (time and speed are left out)
@@ -94,15 +98,15 @@ def both(tmp_path, sizes=(16, 8), dropout=0.0, **overrides):
     for name, on in (("accelerate", False), ("shardwise", True)):
         ranks = run_distributed(train, on, str(tmp_path / name), overrides, sizes, None, None,
                                 dropout, timeout=300)
-        histories = [history for history, _ in ranks]
+        histories = [history for history, _, _ in ranks]
         assert histories[0] == histories[1]  # every rank logs the same
         assert ranks[0][1] == ("ShardwiseAccelerator" if on else "Accelerator")
         runs[name] = histories[0]
-    return runs["accelerate"], runs["shardwise"]
+        runs[f"{name} engine"] = ranks[0][2]
+    return runs["accelerate"], runs["shardwise"], runs["shardwise engine"]
 
 
 def assert_same_logs(theirs, ours, tolerance=1e-6):
-    ours, theirs = ([log for log in logs if "engine" not in log] for logs in (ours, theirs))
     assert len(theirs) == len(ours) and len(ours) > 4
     for mine, other in zip(ours, theirs, strict=True):
         assert mine.keys() == other.keys(), (mine, other)
@@ -123,58 +127,64 @@ ZERO2 = {"deepspeed": {"zero_optimization": {"stage": 2}, "train_batch_size": "a
                        "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}}}
 
 
-@pytest.mark.parametrize("overrides", [{}, {"gradient_accumulation_steps": 2}, {"bf16": True},
-                                       {**FSDP2, "gradient_accumulation_steps": 2}, ZERO2],
-                         ids=["ddp", "ddp-accumulation", "ddp-bf16", "fsdp2-accumulation",
-                              "deepspeed-zero2"])
+#: checkpoints every 3 steps, the best one (by eval_loss) loaded at the end
+BEST = {"save_strategy": "steps", "save_steps": 3, "load_best_model_at_end": True,
+        "metric_for_best_model": "eval_loss"}
+
+
+def test_ddp_with_dropout_uneven_data_and_the_best_model_logs_what_accelerate_logs(tmp_path):
+    """DDP, and the default pipeline choosing by memory, against the Trainer on Accelerate:
+    - 14 training samples in global batches of 4 and 7 evaluation samples: the last batch of
+      each epoch and of the evaluation are padded as Accelerate pads them (from the epoch's
+      start, every rank a full batch) and the padding is dropped from the gathered metrics;
+    - dropout: each epoch's loader iteration draws its seed from torch's global stream as
+      Accelerate's prepared loader does, so the masks are the same;
+    - load_best_model_at_end: the same best checkpoint, the same weights loaded from it;
+    - TrainingArguments that ask nothing of DDP let the pipeline choose by memory: DDP where
+      the model fits (as the Trainer), FSDP2 where DDP's whole copy and its AdamW state exceed
+      the budget per rank, with the same logs."""
+    theirs, ours, engine = both(tmp_path, sizes=(14, 7), dropout=0.3, **BEST)
+    assert engine == "DistributedDataParallel"  # it fits: DDP, as the Trainer
+    assert any("eval_accuracy" in log for log in ours) and any("grad_norm" in log for log in ours)
+    assert theirs[-1]["best"] == ours[-1]["best"]
+    assert_same_logs(theirs, ours)
+    tight = run_distributed(train, True, str(tmp_path / "tight"), {**BEST, "device_budget": True},
+                            (14, 7), None, None, 0.3, timeout=300)[0]
+    assert tight[2] == "FSDP2"
+    assert_same_logs(theirs, tight[0])
+
+
+@pytest.mark.parametrize("overrides", [{"gradient_accumulation_steps": 2, "bf16": True},
+                                       {**FSDP2, **BEST, "gradient_accumulation_steps": 2}, ZERO2],
+                         ids=["ddp-accumulation-bf16", "fsdp2-accumulation-best", "deepspeed-zero2"])
 def test_the_trainer_on_shardwise_logs_what_it_logs_on_accelerate(tmp_path, overrides):
+    """bf16 with accumulation; FSDP2 (whose best model is gathered to save and set back into
+    the shards to load); DeepSpeed ZeRO-2, DeepSpeed's own engine on Accelerate and its
+    native mapping on shardwise."""
     if "deepspeed" in overrides:
         pytest.importorskip("deepspeed")
-    theirs, ours = both(tmp_path, **overrides)
-    assert any("eval_accuracy" in log for log in ours)
-    assert any("grad_norm" in log for log in ours)
-    assert_same_logs(theirs, ours)
-
-
-def test_datasets_that_do_not_divide_give_the_same_last_batches_and_evaluation(tmp_path):
-    """14 training samples in global batches of 4 and 7 evaluation samples: the last batch
-    of each epoch and of the evaluation are padded as Accelerate pads them (from the epoch's
-    start, every rank a full batch), and the padding is dropped from the gathered metrics."""
-    theirs, ours = both(tmp_path, sizes=(14, 7))
+    theirs, ours, engine = both(tmp_path, **overrides)
+    assert engine == ("FSDP2" if "fsdp" in overrides or "deepspeed" in overrides
+                      else "DistributedDataParallel")
+    if "load_best_model_at_end" in overrides:
+        assert theirs[-1]["best"] == ours[-1]["best"]
     assert_same_logs(theirs, ours)
 
 
 @pytest.mark.parametrize("engine", [{}, FSDP2], ids=["ddp", "fsdp2"])
 def test_resume_from_checkpoint_mid_epoch_continues_the_same_run(tmp_path, engine):
     """Stopped after optimizer step 5 (mid-epoch 2, a checkpoint every 5 steps) and resumed
-    in new processes: the resumed run logs what the uninterrupted one logged from step 6 on,
-    on shardwise as on Accelerate. The resumed epoch starts part-way through its order."""
+    in new processes: the resumed run logs what the uninterrupted one logged from step 6 on.
+    The resumed epoch starts part-way through its order (the uninterrupted run equals the
+    Trainer on Accelerate's: the tests above)."""
     saving = {"save_strategy": "steps", "save_steps": 5, **engine}
-    theirs, ours = both(tmp_path / "whole", **saving)
-    assert_same_logs(theirs, ours)
+    ours = run_distributed(train, True, str(tmp_path / "whole"), saving, timeout=300)[0][0]
     run_distributed(train, True, str(tmp_path / "cut"), saving, (16, 8), 5, timeout=300)
     resumed = run_distributed(train, True, str(tmp_path / "cut"), saving, (16, 8), None, True,
                               timeout=300)[0][0]
     after = [log for log in ours if log.get("step", 0) > 5]
     assert len(after) > 3
     assert_same_logs(after, [log for log in resumed if log.get("step", 0) > 5])
-
-
-@pytest.mark.parametrize("engine", [{}, FSDP2], ids=["ddp", "fsdp2"])
-def test_load_best_model_at_end_keeps_the_same_best_checkpoint(tmp_path, engine):
-    """The same best checkpoint, and the same weights loaded from it (a sharded model's
-    gathered to save and set back into its shards)."""
-    theirs, ours = both(tmp_path, save_strategy="steps", save_steps=3, load_best_model_at_end=True,
-                        metric_for_best_model="eval_loss", **engine)
-    assert theirs[-1]["best"] == ours[-1]["best"]
-    assert_same_logs(theirs, ours)
-
-
-def test_dropout_draws_the_same_numbers_as_on_accelerate(tmp_path):
-    """Each epoch's loader iteration draws its seed from torch's global stream as
-    Accelerate's prepared loader does, so dropout masks, and the losses, are the same."""
-    theirs, ours = both(tmp_path, dropout=0.3)
-    assert_same_logs(theirs, ours)
 
 
 def test_tensor_parallel_from_parallelism_config_equals_ddp_on_accelerate(tmp_path):
@@ -258,10 +268,9 @@ def test_a_trainer_started_by_accelerate_launch_takes_its_config_as_on_accelerat
     for name, on in (("accelerate", False), ("shardwise", True)):
         ranks = run_distributed(train, on, str(tmp_path / name), {}, (16, 8), None, None, 0.0,
                                 LAUNCHED_FSDP2, timeout=300)
-        runs[name] = ranks[0][0]
-    assert runs["shardwise"][-1] == {"engine": "FSDP2"}
-    assert runs["accelerate"][-1] == {"engine": "DDP"}
-    assert_same_logs(runs["accelerate"], runs["shardwise"])
+        runs[name] = ranks[0]
+    assert runs["shardwise"][2] == "FSDP2" and runs["accelerate"][2] == "DDP"
+    assert_same_logs(runs["accelerate"][0], runs["shardwise"][0])
 
 
 def test_on_shardwise_refuses_what_is_not_a_trainer_and_an_untested_major_version():

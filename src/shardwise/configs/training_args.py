@@ -46,6 +46,7 @@ from shardwise.transforms.base import Transform
 from shardwise.transforms.clipping import clip_gradients
 from shardwise.transforms.data_distribution import distribute_data
 from shardwise.transforms.precision_policy import mixed_precision
+from shardwise.transforms.replication import replicate
 from shardwise.transforms.sharding import Shard
 
 __all__ = ["ARGUMENTS", "DEFAULTS", "TrainingSettings", "read_training_args", "per_device_batch"]
@@ -218,6 +219,10 @@ def read_training_args(args: Any, env: Env | None = None, engine: str = "native"
                        "under deepspeed (its accumulation follows gradient_accumulation_steps)")
     else:
         out = distribution_transforms(src, fsdp, replicated, each)
+        if trainer and fsdp is None and not mesh and replicated == replicate():
+            # nothing asked of DDP: under a Trainer the pipeline chooses by memory (DDP while
+            # the model fits a safe share of the device, else FSDP2)
+            out = []
         if mesh:
             out = parallelism_transforms(src, mesh, out, env, where="parallelism_config.")
         out.append(mixed_precision(trainer_precision(said)))

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader
+from shardwise.errors import ArgumentError
 from shardwise.metrics import gather_for_metrics
 from shardwise.pipelines import Pipeline
 from shardwise.transforms.base import plan_of
@@ -193,9 +194,14 @@ class ShardwiseAccelerator:
         models = [o for o in objects if isinstance(o, nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         if len(models) > 1 or len(optimizers) > 1:
-            raise TypeError("shardwise's accelerator prepares one model and one optimizer")
+            raise ArgumentError(f"shardwise's accelerator prepares one model and one optimizer "
+                                f"at a time (got {len(models)} and {len(optimizers)})")
         if optimizers and not models and self.bundle is not None:
-            models = [self.bundle.model]  # already prepared: the optimizer is the bundle's
+            if optimizers[0] is not self.bundle.optimizer:  # never swap one in silently
+                raise ArgumentError("the Trainer passed a new optimizer for a model shardwise "
+                                    "already prepared with another; build the optimizer "
+                                    "before training starts (Trainer(optimizers=...))")
+            models = [self.bundle.model]
         bundle = self._prepare_model(models[0], optimizers[0] if optimizers else None) \
             if models else None
         out: list[Any] = []

@@ -28,6 +28,7 @@ from shardwise.errors import ArgumentError, ConfigError, ConflictError, Shardwis
 from shardwise.pipelines import Pipeline, assemble
 from shardwise.state import OnNonFinite, check_on_nonfinite
 from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.data_distribution import DistributeData
 from shardwise.transforms.offloading import Offload
 from shardwise.transforms.precision_policy import MixedPrecision
 from shardwise.transforms.replication import Replicate
@@ -228,6 +229,10 @@ def trainer_pipeline(args: Any) -> Pipeline:
         launched, more = read_accelerate_variables(env)
         transforms = _with_launch(args, transforms, launched)
         notices += more
+    # the Trainer's loaders are split as Accelerate splits them, drawing their seeds from
+    # torch's global stream as Accelerate's do: said here, so explain() says what runs
+    transforms = [attrs.evolve(t, split="batches", global_seed=True)
+                  if isinstance(t, DistributeData) else t for t in transforms]
     config = ConfigResult(tuple(transforms), tuple(notices), settings.origin,
                           "training arguments", env)
     return assemble(env, [], config, reason=f"from {settings.origin}")

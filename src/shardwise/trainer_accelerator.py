@@ -133,8 +133,9 @@ class ShardwiseAccelerator:
         self._synced = False  # a backward has synchronised gradients
         self._skipping = False  # inside no_sync
         self.parallelism_config = None
+        # the pipeline's (trainer_pipeline: Accelerate's split and seeds)
         self.data = next((t for t in pipe.transforms if isinstance(t, DistributeData)),
-                         DistributeData())
+                         DistributeData(split="batches", global_seed=True))
         # what the pipeline's settings record (the tensor-parallel mesh the data splits by),
         # known before the model is prepared: the Trainer prepares its loaders first
         self.plan = plan_of(pipe.transforms)
@@ -244,9 +245,7 @@ class ShardwiseAccelerator:
         iteration drawing its seed from torch's global stream as Accelerate's does (so
         dropout draws the same numbers), over the pipeline's data ranks."""
         data, env = self.data, self.env
-        accelerate_like = attrs.evolve(data, split="batches", global_seed=True)
-        sharded = accelerate_like(Bundle(model=nn.Identity(), loader=loader, env=env,
-                                         plan=self.plan)).loader
+        sharded = data(Bundle(model=nn.Identity(), loader=loader, env=env, plan=self.plan)).loader
         assert isinstance(sharded, DeviceLoader)
         return _Tracked(sharded, self)
 

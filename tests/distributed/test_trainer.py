@@ -320,3 +320,15 @@ def test_a_trainingarguments_subclass_is_read_and_its_own_fields_noticed(tmp_pat
     assert sw.accumulate_gradients(2) in pipe.transforms
     assert any("max_length" in notice and "are SFTConfig's own fields" in notice
                for notice in pipe.notes), pipe.notes
+
+
+def test_the_trainers_pipeline_says_it_splits_and_seeds_loaders_as_accelerate(tmp_path):
+    from transformers import TrainingArguments
+
+    from shardwise.configured import trainer_pipeline
+
+    pipe = trainer_pipeline(TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                              report_to=[], seed=3))
+    assert sw.distribute_data(seed=3, non_blocking=False, pin_memory=False, split="batches",
+                              global_seed=True) in pipe.transforms
+    assert not pipe.fit_options  # the Trainer runs its own loop

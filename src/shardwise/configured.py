@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import attrs
 from shardwise._config_source import load_source
 from shardwise._text import short
 from shardwise.configs import ConfigResult, config_kind, ddp_settings, read_config
-from shardwise.configs.training_args import read_training_args
+from shardwise.configs.training_args import TrainingSettings, read_training_args
 from shardwise.deepspeed_engine.config_file import engine_config
 from shardwise.deepspeed_engine.transform import deepspeed
 from shardwise.env import Env, detect
@@ -207,7 +207,12 @@ def from_training_args(args: Any, *, env: Env | None = None, engine: str = "nati
     if engine not in ("native", "deepspeed"):
         raise ArgumentError(f"from_training_args() 'engine' must be 'native' or 'deepspeed' "
                             f"(got {short(engine)})")
-    return _training_pipeline(args, env, engine, trainer=False)
+    settings = read_training_args(args, env, engine)
+    if env is None:
+        env = detect(**settings.overrides)
+    elif settings.overrides:
+        env = attrs.evolve(env, **settings.overrides)
+    return _training_pipeline(settings, env, settings.transforms, settings.notices)
 
 
 def trainer_pipeline(args: Any) -> Pipeline:
@@ -233,9 +238,7 @@ def trainer_pipeline(args: Any) -> Pipeline:
     # torch's global stream as Accelerate's do: said here, so explain() says what runs
     transforms = [attrs.evolve(t, split="batches", global_seed=True)
                   if isinstance(t, DistributeData) else t for t in transforms]
-    config = ConfigResult(tuple(transforms), tuple(notices), settings.origin,
-                          "training arguments", env)
-    return assemble(env, [], config, reason=f"from {settings.origin}")
+    return _training_pipeline(settings, env, transforms, notices)
 
 
 #: the launch config's distribution: the transforms that shard, split or replicate the model
@@ -262,13 +265,11 @@ def _with_launch(args: Any, own: list[Transform], launched: list[Transform]) -> 
     return out
 
 
-def _training_pipeline(args: Any, env: Env | None, engine: str, *, trainer: bool) -> Pipeline:
-    settings = read_training_args(args, env, engine, trainer=trainer)
-    if env is None:
-        env = detect(**settings.overrides)
-    elif settings.overrides:
-        env = attrs.evolve(env, **settings.overrides)
-    config = ConfigResult(settings.transforms, settings.notices, settings.origin,
+def _training_pipeline(settings: TrainingSettings, env: Env, transforms: Sequence[Transform],
+                       notices: Sequence[str]) -> Pipeline:
+    """The pipeline of what TrainingArguments mean under ``env``; a refusal that does not
+    say where it came from names the arguments."""
+    config = ConfigResult(tuple(transforms), tuple(notices), settings.origin,
                           "training arguments", env)
     try:
         return assemble(env, [], config, reason=f"from {settings.origin}",

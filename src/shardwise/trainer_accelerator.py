@@ -23,6 +23,7 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
 from shardwise.bundle import Bundle
@@ -299,7 +300,8 @@ class ShardwiseAccelerator:
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Every rank's values of the current batch, the padding of the active loader dropped."""
-        if use_gather_object or not _has_tensor(input_data):
+        if use_gather_object or not any(isinstance(leaf, torch.Tensor)
+                                         for leaf in tree_flatten(input_data)[0]):
             if not (dist.is_initialized() and dist.get_world_size() > 1):
                 return input_data
             parts: list[Any] = [None] * dist.get_world_size()
@@ -369,13 +371,3 @@ class ShardwiseAccelerator:
 
     def end_training(self) -> None:
         """Nothing to close: trackers are the Trainer's callbacks."""
-
-
-def _has_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    return False

@@ -67,8 +67,6 @@ def main() -> None:
               f"{metrics['eval_accuracy']:.4f} step {trainer.state.global_step} on "
               f"{trainer.args.world_size} process(es) with {type(trainer.accelerator).__name__}",
               flush=True)
-    if torch.distributed.is_initialized():  # leave the group before the interpreter exits
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ that message is run once more; every other failure, and the same abort twice, fa
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import time
 from typing import Any
@@ -20,23 +23,40 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 Result = tuple[int | None, str, str]  # returncode, stdout, stderr
 
 
+def _kill_tree(p: subprocess.Popen[str]) -> None:
+    """Kill the command and everything it started (torchrun's workers hold its pipes open)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+
+
 def _run_once(cmds: list[list[str]], timeout: float, **kwargs: Any) -> list[Result]:
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    # each command leads its own process group, so a stuck job is killed with its children
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True, **kwargs)
              for cmd in cmds]
     deadline = time.monotonic() + timeout
+    late = False
     try:
         # one failed machine leaves the others waiting at torchrun's exit barrier: stop early
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        while any(p.poll() is None for p in procs):
             if any(p.returncode not in (None, 0) for p in procs):
+                break
+            if time.monotonic() > deadline:
+                late = True
                 break
             time.sleep(0.1)
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            _kill_tree(p)  # also a finished launcher's strays: none may outlive the test
     results: list[Result] = []
     for p in procs:
-        out, err = p.communicate()
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a stray outside the group still holds a pipe
+            p.kill()
+            out, err = "", "its output pipes stayed open after it was killed"
+        if late and p.returncode is not None and p.returncode < 0:
+            err += f"\n[run_jobs: killed after {timeout} s]"
         results.append((p.returncode, out, err))
     return results
 

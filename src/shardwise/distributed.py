@@ -243,6 +243,27 @@ def ensure_process_group(env: Env) -> None:
     record.started = (dist.group.WORLD, exit_store)
 
 
+def leave_at_exit() -> None:
+    """Leave the existing default group at interpreter exit as shardwise leaves its own: the
+    ranks meet on the group's store, then it is destroyed. For a group another library
+    started and leaves standing (the Trainer's: TrainingArguments start it through
+    Accelerate's ``PartialState``). Every rank calls it; nothing to do without a group or
+    when shardwise already leaves it.
+    """
+    record = _MEMBERSHIP
+    if not dist.is_initialized() or record.started is not None or dist.get_world_size() == 1:
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    record.groups_started += 1  # the same count on every rank: the keys match
+    scope = f"shardwise/adopted/{record.groups_started}"
+    store = _get_default_store()
+    record.reports = dist.PrefixStore(f"{scope}/failed", store)
+    if record.groups_started == 1:
+        atexit.register(_shutdown)
+    record.started = (dist.group.WORLD, dist.PrefixStore(f"{scope}/exit", store))
+
+
 def side_group() -> dist.ProcessGroup:
     """A gloo group of all ranks beside the default one, for a background thread's
     collectives (made once, on first use: every rank must call it then)."""

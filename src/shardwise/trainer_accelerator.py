@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader
+from shardwise.distributed import leave_at_exit
 from shardwise.errors import ArgumentError
 from shardwise.metrics import gather_for_metrics
 from shardwise.pipelines import Pipeline
@@ -140,6 +141,8 @@ class ShardwiseAccelerator:
         # what the pipeline's settings record (the tensor-parallel mesh the data splits by),
         # known before the model is prepared: the Trainer prepares its loaders first
         self.plan = plan_of(pipe.transforms)
+        # TrainingArguments started the group (Accelerate's PartialState) and leave it standing
+        leave_at_exit()
 
     # -- what the Trainer reads --------------------------------------------------------------
 

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from shardwise.testing import free_port
 
 SCRIPT = """
@@ -131,3 +133,40 @@ def test_a_stalled_rank_is_named_and_the_job_ends_within_the_timeout(tmp_path):
                            "CollectiveError: rank 0: a collective failed at optimizer step 3"), last
     # start-up (~5-10 s here) + the 4 s timeout + 3 s for the peers' reports, not 300 s
     assert took < 60, (took, proc.stderr[-2000:])
+
+
+TRAINER_GROUP = """
+import sys, torch, torch.distributed as dist
+from transformers import TrainingArguments
+import shardwise as sw
+from shardwise.testing import TinyMLP
+args = TrainingArguments(output_dir=".", use_cpu=True, report_to=[])
+assert args.world_size == 2 and dist.is_initialized()  # TrainingArguments started the group
+trainer = sw.Trainer(model=TinyMLP(), args=args)
+gathered = trainer.accelerator.gather_for_metrics(torch.tensor([float(dist.get_rank())]))
+def say(line):  # one write per line: the two ranks share torchrun's stdout
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+say(f"gathered {gathered.tolist()}")
+destroy = dist.destroy_process_group
+def reporting_destroy():
+    say("left the group")
+    destroy()
+dist.destroy_process_group = reporting_destroy
+"""
+
+
+def test_the_group_trainingarguments_started_is_left_as_shardwise_leaves_its_own(tmp_path):
+    """The Trainer's group (Accelerate's PartialState starts it and leaves it standing) is
+    met on the store and destroyed at exit: the script need not destroy it itself."""
+    pytest.importorskip("transformers")
+    script = tmp_path / "trainer_group.py"
+    script.write_text(TRAINER_GROUP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("gathered [0.0, 1.0]") == 2, proc.stdout
+    assert proc.stdout.count("left the group") == 2, proc.stdout + proc.stderr[-2000:]
+    assert "NOT been destroyed" not in proc.stderr, proc.stderr[-2000:]

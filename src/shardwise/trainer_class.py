@@ -102,9 +102,11 @@ def _resumed(base: type) -> Any:
 
 
 def _checkpoints(base: type) -> dict[str, Any]:
-    """The Trainer's four checkpoint steps, through :mod:`shardwise.trainer_checkpoint` when
-    the model is sharded (the Trainer's own otherwise)."""
+    """The Trainer's checkpoints as transactions (:mod:`shardwise.trainer_transaction`:
+    locked, checksummed, published in one rename, verified before a load), and four of its
+    steps through :mod:`shardwise.trainer_checkpoint` when the model is sharded."""
     from shardwise import trainer_checkpoint as sharded_files
+    from shardwise import trainer_transaction as transaction
 
     def _save(self: Any, output_dir: str | None = None, state_dict: Any = None) -> None:
         if not sharded_files.sharded(self):
@@ -122,13 +124,22 @@ def _checkpoints(base: type) -> dict[str, Any]:
         sharded_files.load_optimizer_and_scheduler(self, checkpoint)
 
     def _load_best_model(self: Any) -> None:
+        transaction.verify_checkpoint(self, self.state.best_model_checkpoint)
         if not sharded_files.sharded(self):
             return base._load_best_model(self)  # type: ignore[attr-defined]
         sharded_files.load_best_model(self)
 
+    def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
+        transaction.save_checkpoint(self, base._save_checkpoint, model, trial)  # type: ignore[attr-defined]
+
+    def _load_from_checkpoint(self: Any, resume_from_checkpoint: str, model: Any = None) -> None:
+        transaction.verify_checkpoint(self, resume_from_checkpoint)
+        base._load_from_checkpoint(self, resume_from_checkpoint, model)  # type: ignore[attr-defined]
+
     return {"_save": _save, "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
             "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
-            "_load_best_model": _load_best_model}
+            "_load_best_model": _load_best_model, "_save_checkpoint": _save_checkpoint,
+            "_load_from_checkpoint": _load_from_checkpoint}
 
 
 def on_shardwise(cls: type) -> type:

@@ -187,6 +187,102 @@ def test_resume_from_checkpoint_mid_epoch_continues_the_same_run(tmp_path, engin
     assert_same_logs(after, [log for log in resumed if log.get("step", 0) > 5])
 
 
+#: a checkpoint every 3 of the 8 optimizer steps, the newest 2 kept
+ROTATING = {"save_strategy": "steps", "save_steps": 3, "save_total_limit": 2}
+
+
+def crashing_in_save(step, *args):
+    """``train(*args)``, rank 1 killed inside the Trainer's save at optimizer step ``step``,
+    after rank 0 has written the model and optimizer into the checkpoint."""
+    import os
+
+    from transformers import Trainer
+
+    original = Trainer._save_rng_state
+
+    def dying(self, output_dir):
+        if self.state.global_step == step and self.args.process_index == 1:
+            os._exit(3)
+        original(self, output_dir)
+
+    Trainer._save_rng_state = dying
+    return train(*args)
+
+
+def locked_out(*args):
+    """``train(*args)`` whose saves wait half a second for another writer."""
+    from shardwise.checkpoint import lock
+
+    lock.WAIT_SECONDS = 0.5
+    return train(*args)
+
+
+def sealed_checkpoints(run_dir):
+    """The checkpoint folders under ``run_dir``, each checked to list every file it holds
+    in its checksums.json."""
+    import json
+
+    found = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    for folder in found:
+        listed = set(json.loads((folder / "checksums.json").read_text())["files"])
+        held = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+        assert listed == held - {"checksums.json"} and "model.safetensors" in listed, folder
+    assert not list(run_dir.glob(".tmp.*")) and not list(run_dir.glob(".trash.*"))
+    return [p.name for p in found]
+
+
+def test_the_trainers_checkpoints_are_transactions(tmp_path):
+    """The Trainer's checkpoint-N folders are saved as sw.save saves (sealed, published in
+    one rename, rotated as the Trainer rotates): a rank killed mid-save leaves no
+    checkpoint-N, and resuming continues from the last published one as the uninterrupted
+    run; a damaged file is refused by name; a second writer on the output_dir is refused
+    naming the holder, before anything is written."""
+    import signal
+    import subprocess
+    import sys
+
+    from shardwise.errors import RankFailedError
+
+    whole = run_distributed(train, True, str(tmp_path / "whole"), ROTATING, timeout=300)[0][0]
+    run_distributed(train, False, str(tmp_path / "theirs"), ROTATING, timeout=300)
+    kept = sealed_checkpoints(tmp_path / "whole")
+    assert kept == sorted(p.name for p in (tmp_path / "theirs").glob("checkpoint-*")) \
+        == ["checkpoint-6", "checkpoint-8"]
+
+    cut = tmp_path / "cut"
+    with pytest.raises(RankFailedError):
+        run_distributed(crashing_in_save, 6, True, str(cut), ROTATING, timeout=300)
+    assert (cut / ".tmp.checkpoint-6" / "checkpoint-6" / "model.safetensors").is_file()
+    assert sorted(p.name for p in cut.glob("checkpoint-*")) == ["checkpoint-3"]
+    resumed = run_distributed(train, True, str(cut), ROTATING, (16, 8), None, True,
+                              timeout=300)[0][0]
+    assert_same_logs([log for log in whole if log.get("step", 0) > 3],
+                     [log for log in resumed if log.get("step", 0) > 3])
+    assert sealed_checkpoints(cut) == kept  # the debris cleared by the next save
+
+    weights = tmp_path / "whole" / "checkpoint-8" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(RankFailedError, match="model.safetensors does not match its checksum"):
+        run_distributed(train, True, str(tmp_path / "whole"), ROTATING, (16, 8), None, True,
+                        timeout=300)
+
+    held = tmp_path / "held"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from shardwise.checkpoint import lock; "
+                               "lock.acquire(Path(sys.argv[1])); print('held', flush=True); "
+                               "time.sleep(120)", str(held)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RankFailedError, match=rf"the last writer was pid {holder.pid}"):
+            run_distributed(locked_out, True, str(held), ROTATING, timeout=300)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert not list(held.glob("*checkpoint-*"))
+
+
 def test_tensor_parallel_from_parallelism_config_equals_ddp_on_accelerate(tmp_path):
     """``parallelism_config={"tp_size": 2}`` on 2 CPU ranks (Accelerate refuses tensor
     parallelism off CUDA): one tensor-parallel group reading the global batch of 4 logs what

@@ -35,12 +35,12 @@ import torch.distributed as dist
 from shardwise._text import short
 from shardwise.checkpoint import integrity
 from shardwise.checkpoint.lock import RootLock
-from shardwise.checkpoint.transaction import PublishedError, seal_and_publish
+from shardwise.checkpoint.transaction import PublishedError, describe_os_error, seal_and_publish
 from shardwise.distributed import joined, side_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, CheckpointError
 
-__all__ = ["AsyncSave", "start", "wait_for_saves", "cause", "describe_os_error"]
+__all__ = ["AsyncSave", "start", "wait_for_saves", "cause"]
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -65,16 +65,6 @@ def _no_space(exc: BaseException) -> OSError | None:
             return current
         current = current.__cause__ or current.__context__
     return None
-
-
-def describe_os_error(exc: OSError, where: Path | None = None) -> str:
-    """An ``OSError`` in words: what happened to which path."""
-    path = exc.filename or where
-    if exc.errno == errno.ENOSPC:
-        return f"no space left on device writing {path}"
-    if exc.strerror:
-        return f"{type(exc).__name__}: {exc.strerror}" + (f" ({path})" if path else "")
-    return f"{type(exc).__name__}: {exc}"
 
 
 def cause(exc: BaseException, where: Path | None = None) -> str:

@@ -18,6 +18,7 @@ Run by the one writer that holds the root's lock (:mod:`shardwise.checkpoint.loc
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -31,15 +32,59 @@ from shardwise.checkpoint.layout import (
     OLD,
     complete_steps,
     fsync_dir,
+    is_step_name,
     step_of,
     write_durably,
 )
+from shardwise.checkpoint.lock import RootLock, acquire
+from shardwise.distributed import all_agree
+from shardwise.env import Env
+from shardwise.errors import CheckpointError
 
-__all__ = ["TMP", "TRASH", "PublishedError", "recover", "seal_and_publish", "publish", "retire",
-           "check_written"]
+__all__ = ["TMP", "TRASH", "PublishedError", "begin", "recover", "seal_and_publish", "publish", "retire",
+           "check_written", "describe_os_error"]
 
 TMP = ".tmp."
 TRASH = ".trash."
+
+
+def describe_os_error(exc: OSError, where: Path | None = None) -> str:
+    """An ``OSError`` in words: what happened to which path."""
+    path = exc.filename or where
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on device writing {path}"
+    if exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}" + (f" ({path})" if path else "")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def begin(env: Env, root: Path, tmp: Path, names: str = "*") -> RootLock | None:
+    """Rank 0 takes the root's writer lock, puts back or clears what interrupted saves left
+    (:func:`recover`) and makes the hidden directory the ranks write into; every rank learns
+    whether it could. The lock on rank 0 (None elsewhere).
+
+    Raises:
+        CheckpointError: on every rank, naming rank 0's reason (another writer holds the
+            root, it cannot be created).
+    """
+    ok, problem, lock = True, "", None
+    try:
+        if env.is_main:
+            try:
+                lock = acquire(root)
+                recover(root, names)
+                tmp.mkdir()
+            except (OSError, CheckpointError) as exc:
+                ok, problem = False, str(exc) if isinstance(exc, CheckpointError) \
+                    else describe_os_error(exc)
+        if not all_agree(env, ok):
+            raise CheckpointError(f"cannot create checkpoint directory {tmp}: "
+                                  f"{problem or 'failed on rank 0'}")
+    except BaseException:  # refused, Ctrl-C, a lost peer: never keep the root locked
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
 
 
 class PublishedError(OSError):
@@ -53,9 +98,10 @@ def retire(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def recover(root: Path) -> None:
-    """Put back or clear what interrupted saves left in ``root`` (the writer's lock held)."""
-    for old in root.glob(OLD + "step_*"):
+def recover(root: Path, names: str = "*") -> None:
+    """Put back or clear what interrupted saves of checkpoints called ``names`` (a glob) left
+    in ``root`` (the writer's lock held)."""
+    for old in root.glob(OLD + names):
         if old.is_symlink() or not old.is_dir():  # never one of ours: it would block a re-save
             old.unlink()
             continue
@@ -64,7 +110,7 @@ def recover(root: Path) -> None:
             retire(old)  # the re-save was published: this is the copy it replaced
         else:
             os.rename(old, published)  # killed between the two renames: the old one returns
-    for debris in (*root.glob(TMP + "step_*"), *root.glob(TRASH + "*")):
+    for debris in (*root.glob(TMP + names), *root.glob(TRASH + "*")):
         if debris.is_dir() and not debris.is_symlink():
             shutil.rmtree(debris, ignore_errors=True)
         else:
@@ -93,12 +139,13 @@ def seal_and_publish(root: Path, tmp: Path, final: Path, step: int, keep_last: i
     """
     manifest, sizes = manifest_of(tmp, world_size, written, own)
     write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1))
-    publish(root, tmp, final, step, keep_last, sizes)
+    publish(root, tmp, final, step, keep_last, sizes, point_latest=is_step_name(final.name))
 
 
 def publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None,
-            sizes: dict[str, int]) -> None:
-    """Verify ``tmp`` and make it visible as ``final``, point ``latest`` at it, then prune."""
+            sizes: dict[str, int], *, point_latest: bool = True) -> None:
+    """Verify ``tmp`` and make it visible as ``final``, point ``latest`` at it (unless
+    ``point_latest`` is false: a layout that finds its newest checkpoint by name), then prune."""
     check_written(tmp, sizes)
     fsync_dir(tmp)
     old = final.with_name(OLD + final.name)
@@ -110,9 +157,10 @@ def publish(root: Path, tmp: Path, final: Path, step: int, keep_last: int | None
     stage = "making it durable"
     try:  # published: what fails from here on must not be reported as "nothing published"
         fsync_dir(root)
-        stage = f"pointing {LATEST} at it ({LATEST} still names the checkpoint before)"
-        write_durably(root / LATEST, final.name + "\n")
-        fsync_dir(root)
+        if point_latest:
+            stage = f"pointing {LATEST} at it ({LATEST} still names the checkpoint before)"
+            write_durably(root / LATEST, final.name + "\n")
+            fsync_dir(root)
         stage = "deleting the copy it replaced (the next save does it)"
         if replacing:
             retire(old)

@@ -17,7 +17,7 @@ import torch
 
 import shardwise as sw
 from shardwise.checkpoint import integrity, lock
-from shardwise.errors import CheckpointError
+from shardwise.errors import ArgumentError, CheckpointError
 
 from conftest import build_lm, fingerprint, same, train_for
 
@@ -400,3 +400,44 @@ def test_two_writers_saving_killing_and_pruning_at_random_leave_a_reported_check
     chosen = settings(database=None, **({"max_examples": count} if count else {}))
     chosen(given(st.data())(
         lambda data: check_two_writers(data, tmp_path / "root", bundle, reference)))()
+
+
+# -- named checkpoints ----------------------------------------------------------------------
+
+def test_a_named_checkpoint_sits_beside_the_steps_never_pruned_and_loads_by_name(tmp_path):
+    """save(name="best") publishes root/best as a transaction: keep_last never prunes it,
+    `latest` never names it, a re-save replaces it (a crash between the two renames leaves
+    the old copy loadable by name), and load(name="best") restores exactly what was saved."""
+    bundle = build_lm([], accumulate=1)
+    state = bundle.init()
+    best = None
+    for step in range(1, 6):
+        state, _ = train_for(bundle, state, 1)
+        sw.save(tmp_path, bundle, state, keep_last=2)
+        if step == 2:
+            assert sw.save(tmp_path, bundle, state, name="best") == tmp_path / "best"
+            best = {k: v for k, v in fingerprint(bundle).items()
+                    if k in ("model", "optimizer", "groups", "scheduler")}
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert names == ["best", "latest", "step_00000004", "step_00000005"]
+    assert sw.latest_checkpoint(tmp_path).name == "step_00000005"
+
+    fresh = build_lm([], accumulate=1)
+    assert sw.load(tmp_path, fresh, name="best").step == 2
+    assert same({k: fingerprint(fresh)[k] for k in best}, best)
+    assert sw.load(tmp_path, fresh).step == 5  # without a name: the newest step
+
+    # a re-save of the name, killed between its two renames: the old copy is still "best"
+    os.rename(tmp_path / "best", tmp_path / ".old.best")
+    assert sw.load(tmp_path, fresh, name="best").step == 2
+    sw.save(tmp_path, bundle, state, name="best")  # recovers, then replaces it
+    assert not (tmp_path / ".old.best").exists()
+    assert sw.load(tmp_path, fresh, name="best").step == 5
+
+    for bad in ("latest", "step_00000002", "../x", ".hidden", "", 3):
+        with pytest.raises(ArgumentError, match="'name' must be"):
+            sw.save(tmp_path, bundle, state, name=bad)
+    with pytest.raises(ArgumentError, match="keep_last prunes step checkpoints"):
+        sw.save(tmp_path, bundle, state, name="best", keep_last=2)
+    with pytest.raises(CheckpointError, match="no checkpoint named 'worst'"):
+        sw.load(tmp_path, fresh, name="worst")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["META", "FORMAT", "TORCH_FORMAT", "MANIFEST", "LATEST", "OLD", "write_durably",
+           "is_step_name", "check_name", "named",
            "fsync_dir", "is_complete", "incomplete_parts", "complete_steps", "candidates",
            "latest_checkpoint", "open_regular", "read_json", "RNG", "rng_file", "step_of"]
 
@@ -141,6 +142,36 @@ def incomplete_parts(path: Path) -> list[str]:
 
 
 _STEP_NAME = re.compile(r"step_\d{8,}")  # 8 digits, more from step 100,000,000 on
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a step checkpoint's (``step_NNNNNNNN``)."""
+    return _STEP_NAME.fullmatch(name) is not None
+
+
+def check_name(name: object, where: str) -> str:
+    """``name`` when it can name a checkpoint beside the step checkpoints of a root.
+
+    Raises:
+        ValueError: naming the value and what is accepted.
+    """
+    if not isinstance(name, str) or _NAME.fullmatch(name) is None or name == LATEST \
+            or name.startswith("step_"):
+        raise ValueError(f"{where} 'name' must be 1-100 letters, digits, '.', '_' or '-', "
+                         f"starting with a letter or digit, and neither 'latest' nor "
+                         f"'step_...' (those are the step checkpoints'); got {name!r}")
+    return name
+
+
+def named(root: Path, name: str) -> Path:
+    """The named checkpoint ``name`` in ``root``: ``root/name``, or its ``.old.`` copy while a
+    re-save of it is between its two renames."""
+    path = root / name
+    moved = root / (OLD + name)
+    return moved if not os.path.lexists(path) and _is_ours(moved) else path
 
 
 def _is_ours(path: Path) -> bool:

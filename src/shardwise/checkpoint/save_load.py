@@ -23,7 +23,7 @@ from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.checkpoint import background, integrity, typed_json
 from shardwise.checkpoint import rng as _rng
-from shardwise.checkpoint.background import AsyncSave, cause, describe_os_error, wait_for_saves
+from shardwise.checkpoint.background import AsyncSave, cause, wait_for_saves
 from shardwise.checkpoint.compatibility import (
     check_parts,
     check_skip,
@@ -35,13 +35,16 @@ from shardwise.checkpoint.layout import (
     FORMAT,
     LATEST,
     META,
+    OLD,
     TORCH_FORMAT,
+    check_name,
     is_complete,
     latest_checkpoint,
+    named,
     rng_file,
     write_durably,
 )
-from shardwise.checkpoint.lock import RootLock, acquire, share
+from shardwise.checkpoint.lock import RootLock, share
 from shardwise.checkpoint.restore import (
     check_tensors,
     dcp_quietly,
@@ -53,7 +56,13 @@ from shardwise.checkpoint.restore import (
     read_meta,
     read_rng,
 )
-from shardwise.checkpoint.transaction import TMP, PublishedError, recover, seal_and_publish
+from shardwise.checkpoint.transaction import (
+    TMP,
+    PublishedError,
+    begin,
+    describe_os_error,
+    seal_and_publish,
+)
 from shardwise.data import DeviceLoader
 from shardwise.distributed import all_agree, from_main, joined
 from shardwise.env import Env
@@ -84,15 +93,20 @@ def _write_small_files(tmp: Path, env: Env, meta: dict[str, Any]) -> None:
 
 
 def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *,
-         keep_last: int | None = None, blocking: bool = True) -> Path | AsyncSave:
+         keep_last: int | None = None, blocking: bool = True,
+         name: str | None = None) -> Path | AsyncSave:
     """Write a sharded checkpoint of ``bundle`` and ``state``; every rank must call it.
 
     Args:
         directory: the parent directory; the checkpoint is ``directory/step_NNNNNNNN``.
         bundle: the bundle being trained.
         state: the state after the last step (at the end of an accumulation window).
-        keep_last: keep only this many complete checkpoints (older ones are deleted after
-            the new one is complete).
+        keep_last: keep only this many complete step checkpoints (older ones are deleted
+            after the new one is complete; named ones are never deleted).
+        name: a named checkpoint, ``directory/<name>`` (``"best"``), beside the step
+            checkpoints: saved as a transaction as they are, replaced by the next save of the
+            same name, never pruned by ``keep_last``, not what ``latest`` names; loaded with
+            ``sw.load(directory, bundle, name=...)``.
         blocking: ``False`` returns as soon as the state is copied to host memory; the
             files are written in the background and the checkpoint is published (checksums,
             ``latest``, ``keep_last``) once every rank's are written. At most one save is in
@@ -112,12 +126,14 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
     Example:
         >>> sw.save("checkpoints", bundle, state, keep_last=3)
     """
-    _check_save(bundle, state, keep_last, blocking)
+    _check_save(bundle, state, keep_last, blocking, name)
     wait_for_saves()  # at most one in flight: the previous one is published first
     state = bundle.check(state)  # never save after a step whose check is still unread
+    bundle.engine.synchronise_replicas(bundle.model, bundle.optimizer)  # local SGD: one state
     env, root = bundle.env, Path(directory)
-    final, tmp = root / f"step_{state.step:08d}", root / f"{TMP}step_{state.step:08d}"
-    lock = _begin(env, root, tmp)  # rank 0 holds the root's lock until published (or failed)
+    final = root / (name if name is not None else f"step_{state.step:08d}")
+    tmp = root / f"{TMP}{final.name}"
+    lock = begin(env, root, tmp)  # rank 0 holds the root's lock until published (or failed)
     try:
         own = bundle.engine.own_checkpoint  # an engine with its own format (DeepSpeed), or None
         fresh = own is None and bundle.optimizer is not None and not bundle.optimizer.state
@@ -161,8 +177,18 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
             lock.release()
 
 
-def _check_save(bundle: Bundle, state: TrainState, keep_last: Any, blocking: Any) -> None:
+def _check_save(bundle: Bundle, state: TrainState, keep_last: Any, blocking: Any,
+                name: Any) -> None:
     """Refuse, before anything is written, what save() cannot do."""
+    if name is not None:
+        try:
+            check_name(name, "save()")
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
+        if keep_last is not None:
+            raise ArgumentError(f"save(name={name!r}, keep_last={keep_last!r}): keep_last prunes "
+                                "step checkpoints and a named one is never pruned; save it "
+                                "without keep_last")
     if state.window_batches:
         raise CheckpointError(
             f"save() at micro-step {state.micro_step} is inside an accumulation window of "
@@ -177,30 +203,6 @@ def _check_save(bundle: Bundle, state: TrainState, keep_last: Any, blocking: Any
         raise ArgumentError(f"save(blocking=False) writes DCP's files in the background; the "
                             f"{bundle.engine.name} engine saves in its own format: use "
                             "blocking=True")
-
-
-def _begin(env: Env, root: Path, tmp: Path) -> RootLock | None:
-    """Rank 0 takes the root's writer lock, puts back or clears what interrupted saves left,
-    and makes the hidden directory the ranks write into; every rank learns whether it could.
-    The lock on rank 0 (None elsewhere)."""
-    ok, problem, lock = True, "", None
-    try:
-        if env.is_main:
-            try:
-                lock = acquire(root)
-                recover(root)
-                tmp.mkdir()
-            except (OSError, CheckpointError) as exc:
-                ok, problem = False, str(exc) if isinstance(exc, CheckpointError) \
-                    else describe_os_error(exc)
-        if not all_agree(env, ok):
-            raise CheckpointError(f"cannot create checkpoint directory {tmp}: "
-                                  f"{problem or 'failed on rank 0'}")
-    except BaseException:  # refused, Ctrl-C, a lost peer: never keep the root locked
-        if lock is not None:
-            lock.release()
-        raise
-    return lock
 
 
 def _record(bundle: Bundle, state: TrainState, final: Path, own: str | None,
@@ -302,7 +304,7 @@ def _data_position(bundle: Bundle, state: TrainState) -> dict[str, Any]:
 
 
 def load(directory: str | os.PathLike[str], bundle: Bundle, *,
-         skip: Iterable[str] = ()) -> TrainState:
+         skip: Iterable[str] = (), name: str | None = None) -> TrainState:
     """Restore a checkpoint into ``bundle`` and return its :class:`TrainState`.
 
     Restores the model, optimizer, scheduler, grad scaler, each rank's RNG states and the
@@ -317,6 +319,8 @@ def load(directory: str | os.PathLike[str], bundle: Bundle, *,
         bundle: a bundle built the same way as the one saved (any world size).
         skip: parts changed on purpose, neither checked nor loaded: ``"optimizer"``,
             ``"scheduler"``, ``"scaler"``, ``"rng"``.
+        name: the named checkpoint ``directory/<name>`` (saved with ``sw.save(...,
+            name=...)``) instead of the newest step checkpoint.
 
     Raises:
         CheckpointError: no complete checkpoint, a partial or corrupt one, or one that does
@@ -329,8 +333,18 @@ def load(directory: str | os.PathLike[str], bundle: Bundle, *,
         >>> state = sw.load("checkpoints", bundle, skip=("optimizer", "scheduler"))
     """
     skipped = check_skip(skip, bundle.engine.own_checkpoint)
+    if name is not None:
+        try:
+            check_name(name, "load()")
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
     wait_for_saves()  # a checkpoint being written is published (or failed) first
     directory = Path(directory)
+    if name is not None:
+        if not (directory / name).is_dir() and not (directory / (OLD + name)).is_dir():
+            raise CheckpointError(f"{directory} holds no checkpoint named {name!r} (no "
+                                  f"{directory / name})")
+        directory = named(directory, name)
     # rank 0 holds the root's lock shared until every rank has read: another job's save (its
     # keep_last) waits, never deleting what is being read
     reading = share(directory.parent if is_complete(directory) else directory) \

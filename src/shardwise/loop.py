@@ -193,6 +193,7 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
                 raise ArgumentError("fit(): bundle.loader yielded no batch in an epoch; check the "
                                     "dataset's length against the batch size and world size")
         boundary = bundle.check(boundary)
+        bundle.engine.synchronise_replicas(bundle.model, bundle.optimizer)  # local SGD: one model
         evaluate()
         checkpoint()
         wait_for_saves()  # the last periodic save may be the final step's, still in flight

@@ -36,6 +36,8 @@ class Plan:
         offload: parameters, gradients and the optimizer step live on the CPU (needs shard).
         tensor_parallel: the ``tensor_parallel`` transform, whose size and plan the data
             split, ``shard()`` and the memory estimate read (None: no tensor parallelism).
+        local_sgd_every: local SGD: gradients stay on each rank and the replicas' parameters
+            are averaged every this many optimizer steps (None: gradients averaged each step).
         applied: the transforms applied so far, in order.
     """
 
@@ -47,4 +49,5 @@ class Plan:
     on_nonfinite: OnNonFinite = "raise"
     offload: bool = False
     tensor_parallel: Any = None
+    local_sgd_every: int | None = None
     applied: tuple[Any, ...] = ()

@@ -132,7 +132,7 @@ class Stepper:
         except RuntimeError as exc:
             failure = collective_failure(
                 exc, f"optimizer step {state.step + 1} (micro-step {micro}), {self.run.phase}"
-            ) if self.run.synced > 1 else None
+            ) if self.run.env.is_distributed else None
             if failure is None:
                 raise
             raise failure from exc

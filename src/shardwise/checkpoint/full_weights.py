@@ -86,6 +86,7 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *,
         >>> sw.export("out/final", bundle, dtype=torch.bfloat16)
     """
     env, out = bundle.env, Path(path)
+    bundle.engine.synchronise_replicas(bundle.model, bundle.optimizer)  # local SGD: one model
     tensors = _gathered(bundle.model, bundle.engine, env.is_main, dtype)
     problem = ""
     if env.is_main:

@@ -119,6 +119,12 @@ class Engine(StepHooks):
         for name, value in self.unwrap(model).state_dict().items():
             yield name, self.full(value)
 
+    def synchronise_replicas(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                             ) -> None:
+        """Make every rank's replica the same where the engine lets them drift apart (local
+        SGD): parameters, and the optimizer's state when given, averaged over the ranks. A
+        collective where it does anything; nothing to do by default."""
+
     @property
     def sharded_optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer that holds sharded optimizer state (ZeRO-1), if any."""

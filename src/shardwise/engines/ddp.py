@@ -7,11 +7,12 @@ from typing import Any, ClassVar
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise._params import param_names
 from shardwise.engines.base import Engine, MemoryParts, set_hyperparameters, state_bytes
-from shardwise.engines.step_hooks import NoSync
+from shardwise.engines.step_hooks import Backward, Micro, NoSync, StepRun, WindowEnd
 from shardwise.env import Env
 from shardwise.errors import CheckpointError
 from shardwise.state import TrainState
@@ -38,6 +39,23 @@ def _materialise(optimizer: torch.optim.Optimizer) -> None:
         p.grad = grad
 
 
+def _average(tensors: list[torch.Tensor], ranks: int) -> None:
+    """Replace each tensor by its mean over ``ranks`` ranks: one all-reduce per dtype and
+    device, through a flat buffer."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    with torch.no_grad():
+        for group in groups.values():
+            flat = _flatten_dense_tensors(group)
+            dist.all_reduce(flat)
+            flat /= ranks
+            for tensor, mean in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                tensor.copy_(mean)
+
+
 def _copy_hyperparameters(source: torch.optim.Optimizer, engine: torch.optim.Optimizer) -> None:
     """Give the sharded optimizer the user's current hyperparameters (a scheduler changes them)."""
     for mine, theirs in zip(source.param_groups, engine.param_groups, strict=True):
@@ -59,12 +77,15 @@ class DDPEngine(Engine):
         optimizer_ranks: ranks the optimizer state is split over (ZeRO-1), else 1.
         sharded_optimizer: torch's ``ZeroRedundancyOptimizer`` under ZeRO-1, driven with the
             hyperparameters of the user's optimizer.
+        local_sgd_every: local SGD: gradients never all-reduced, parameters averaged every
+            this many optimizer steps (None: DDP's gradient averaging).
     """
 
     world_size: int
     static_graph: bool = False
     optimizer_ranks: int = 1
     sharded_optimizer: torch.optim.Optimizer | None = None
+    local_sgd_every: int | None = None
     name: ClassVar[str] = "DistributedDataParallel"
 
     @property
@@ -72,7 +93,28 @@ class DDPEngine(Engine):
         return self.optimizer_ranks > 1
 
     def gradient_ranks(self, env: Env) -> int:
-        return self.world_size
+        return 1 if self.local_sgd_every else self.world_size
+
+    def syncs_gradients(self) -> bool:
+        return not self.local_sgd_every
+
+    def end_window(self, run: StepRun, state: TrainState, done: Backward, micro: Micro
+                   ) -> WindowEnd:
+        end = super().end_window(run, state, done, micro)
+        if self.local_sgd_every and (state.step + 1) % self.local_sgd_every == 0:
+            run.phase = "averaging the replicas' parameters (local SGD)"
+            self.synchronise_replicas(run.model, None)
+        return end
+
+    def synchronise_replicas(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                             ) -> None:
+        if not self.local_sgd_every:
+            return
+        tensors = [p.data for p in model.parameters()]
+        if optimizer is not None:
+            tensors += [v for values in optimizer.state.values() for v in values.values()
+                        if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        _average(tensors, self.world_size)
 
     def no_sync(self, model: nn.Module, state: TrainState) -> NoSync | None:
         if self.static_graph and not state.synced:
@@ -146,4 +188,6 @@ class DDPEngine(Engine):
     def describe(self, env: Env) -> str:
         zero = (f"; ZeRO-1: each of {self.optimizer_ranks} ranks keeps its share of the "
                 "optimizer state" if self.optimizer_ranks > 1 else "")
-        return f"DistributedDataParallel over {self.world_size} ranks ({env.backend}){zero}"
+        local = (f"; local SGD: gradients stay on each rank, parameters averaged every "
+                 f"{self.local_sgd_every} optimizer step(s)" if self.local_sgd_every else "")
+        return f"DistributedDataParallel over {self.world_size} ranks ({env.backend}){zero}{local}"

@@ -191,6 +191,11 @@ class StepHooks:
         """How many ranks read each batch: the ranks of a tensor-parallel group (else 1)."""
         return 1
 
+    def syncs_gradients(self) -> bool:
+        """Whether a window's last micro-batch synchronises gradients (False: local SGD, every
+        micro-batch runs under :meth:`no_sync`)."""
+        return True
+
     def no_sync(self, model: nn.Module, state: TrainState) -> NoSync | None:
         """The context that skips gradient reduction for a micro-batch before a window's last,
         or None when this micro-batch must synchronise (or there is nothing to skip)."""
@@ -222,7 +227,8 @@ class StepHooks:
     def backward(self, run: StepRun, state: TrainState, batch: Any, micro: Micro) -> Backward:
         """Forward and backward of one micro-batch, gradient reduction skipped (no_sync)
         before a window's last micro-batch where the engine can."""
-        no_sync = None if micro.boundary else self.no_sync(run.model, state)
+        no_sync = None if micro.boundary and self.syncs_gradients() else \
+            self.no_sync(run.model, state)
         run.phase = "forward and backward"
         if no_sync is None:
             return _backward(run, state, batch, synced=True)

@@ -18,16 +18,18 @@ from shardwise.transforms.offloading import Offload, offload
 from shardwise.transforms.optimizer_sharding import ShardOptimizer, shard_optimizer
 from shardwise.transforms.placement import Place, place
 from shardwise.transforms.precision_policy import MixedPrecision, mixed_precision
+from shardwise.transforms.replica_averaging import LocalSGD, local_sgd
 from shardwise.transforms.replication import Replicate, replicate
 from shardwise.transforms.sharding import Shard, shard
 from shardwise.transforms.tensor_parallelism import TensorParallel, tensor_parallel
 
 __all__ = [
     "AccumulateGradients", "CheckpointActivations", "ClipGradients", "Compile", "DistributeData",
-    "MixedPrecision", "Offload", "Place", "Replicate", "Shard", "ShardOptimizer", "Stage", "TensorParallel",
+    "LocalSGD", "MixedPrecision", "Offload", "Place", "Replicate", "Shard", "ShardOptimizer", "Stage",
+    "TensorParallel",
     "Transform",
     "accumulate_gradients", "checkpoint_activations", "clip_gradients", "compile",
-    "distribute_data",
+    "distribute_data", "local_sgd",
     "mixed_precision", "offload", "place", "replicate", "shard", "shard_optimizer",
     "tensor_parallel",
 ]

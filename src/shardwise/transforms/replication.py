@@ -55,7 +55,12 @@ class Replicate(Distribution):
         """The engine this transform puts in the bundle (settings only, nothing is built)."""
         if not env.is_distributed:
             return LocalEngine()
-        return DDPEngine(world_size=env.world_size, static_graph=self.static_graph)
+        if plan.local_sgd_every and self.static_graph:
+            raise ConflictError(f"{self!r} and local_sgd(every={plan.local_sgd_every}): DDP's "
+                                "static graph must synchronise its first iteration, which local "
+                                "SGD never does; drop static_graph=True")
+        return DDPEngine(world_size=env.world_size, static_graph=self.static_graph,
+                         local_sgd_every=plan.local_sgd_every)
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)

@@ -1,0 +1,73 @@
+# local_sgd(): each replica steps on its own gradients; parameters averaged every k optimizer steps.
+"""Local SGD on DDP replicas (Accelerate's ``LocalSGD`` as a transform)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from shardwise.bundle import Bundle
+from shardwise.env import Env
+from shardwise.plan import Plan
+from shardwise.transforms._checks import integer_at_least_one
+from shardwise.transforms.base import Stage, Transform
+
+__all__ = ["LocalSGD", "local_sgd"]
+
+
+@attrs.frozen(repr=False)
+class LocalSGD(Transform):
+    """Train each :func:`shardwise.replicate` replica on its own gradients and average the
+    replicas' parameters every ``every`` optimizer steps.
+
+    Gradients are never all-reduced (DDP ``no_sync`` on every micro-batch): a token-weighted
+    loss is normalised by this rank's items, the finiteness check and clipping see this
+    rank's gradients, and each rank's optimizer keeps its own state. At every ``every``-th
+    optimizer step (counted over the run, so a resumed run averages where the uninterrupted
+    one did) the parameters are averaged over the ranks in one all-reduce per dtype.
+    ``sw.save``, ``sw.export`` and the end of ``sw.fit`` are synchronisation points too:
+    parameters and optimizer state are averaged there, so a checkpoint is the one state every
+    rank resumes from. Accelerate's ``LocalSGD`` counts its ``step()`` calls (one per batch
+    in its example) and averages only parameters, also at the end of its context.
+
+    Args:
+        every: optimizer steps between averages, >= 1.
+
+    Raises:
+        ValueError: ``every`` is not an integer >= 1.
+        ConflictError: no ``replicate()`` in the pipeline, or ``shard_optimizer()`` (which
+            would broadcast parameters every step).
+
+    Example:
+        >>> pipe = sw.pipeline(sw.replicate(), sw.local_sgd(every=8))
+    """
+
+    every: int = attrs.field(validator=integer_at_least_one)
+    stage: ClassVar[Stage] = Stage.SETTINGS
+    factory_name: ClassVar[str] = "local_sgd"
+
+    def needs(self) -> dict[str, str]:
+        return {"replicate": "local SGD averages DDP replicas; add sw.replicate() to the "
+                             "pipeline"}
+
+    def excludes(self) -> dict[str, str]:
+        return {"shard_optimizer": "ZeRO-1 broadcasts the updated parameters every step, "
+                                   "which local SGD must not; drop one"}
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        return self._record(bundle)
+
+    def record(self, plan: Plan) -> Plan:
+        return attrs.evolve(plan, local_sgd_every=self.every)
+
+    def describe(self, env: Env) -> str:
+        if not env.is_distributed:
+            return "one process: nothing to average"
+        return (f"local SGD: gradients stay on each of {env.world_size} ranks; parameters "
+                f"averaged every {self.every} optimizer step(s), and parameters and optimizer "
+                "state at sw.save, sw.export and the end of sw.fit")
+
+
+#: the public factory: the class itself, so its defaults are written once
+local_sgd = LocalSGD

@@ -1,0 +1,130 @@
+# sw.local_sgd: each replica steps alone, parameters averaged every k steps, as Accelerate's LocalSGD.
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.errors import ConflictError
+from shardwise.testing import TinyMLP, run_distributed
+
+EVERY, STEPS = 3, 6
+
+
+def batches(rank, steps=STEPS):
+    """Each rank's own batches: (x, y) pairs drawn from a seed per rank."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator))
+            for _ in range(steps)]
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def on_accelerate():
+    """Accelerate's LocalSGD example loop on this rank's batches: the parameters after step
+    2 (between averages) and after the run."""
+    from accelerate import Accelerator
+    from accelerate.local_sgd import LocalSGD
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = TinyMLP()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    seen = []
+    with LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=EVERY,
+                  enabled=True) as local:
+        for x, y in batches(accelerator.process_index):
+            accelerator.backward(model(x, y))
+            optimizer.step()
+            optimizer.zero_grad()
+            local.step()
+            seen.append(snapshot(accelerator.unwrap_model(model)))
+    return seen[1], snapshot(accelerator.unwrap_model(model))
+
+
+def on_shardwise():
+    env = sw.detect()
+    torch.manual_seed(0)
+    model = TinyMLP()
+    bundle = sw.pipeline(env, sw.replicate(), sw.local_sgd(every=EVERY))(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state = bundle.init()
+    seen = []
+    for batch in batches(env.rank):
+        state, out = bundle.step(state, batch)
+        assert out.stepped
+        seen.append(snapshot(bundle.engine.unwrap(bundle.model)))
+    return seen[1], seen[-1]
+
+
+def test_local_sgd_equals_accelerates_local_sgd_on_the_same_samples():
+    """Between averages each rank's parameters are its own (no gradient all-reduce), the same
+    as under Accelerate's LocalSGD on that rank; after every 3rd step they are averaged."""
+    theirs = run_distributed(on_accelerate, world_size=2, timeout=180)
+    ours = run_distributed(on_shardwise, world_size=2, timeout=180)
+    for rank in (0, 1):
+        for name, value in theirs[rank][0].items():
+            torch.testing.assert_close(ours[rank][0][name], value, rtol=0, atol=1e-7)
+            torch.testing.assert_close(ours[rank][1][name], theirs[rank][1][name], rtol=0,
+                                       atol=1e-7)
+    # between averages the replicas differ; after the 6th step they are one model
+    assert any(not torch.equal(ours[0][0][k], ours[1][0][k]) for k in ours[0][0])
+    assert all(torch.equal(ours[0][1][k], ours[1][1][k]) for k in ours[0][1])
+
+
+def resumable(root, save_at, halt):
+    """Train to step STEPS (resuming from ``root`` when it holds a checkpoint), saving at
+    step ``save_at`` and, with ``halt``, stopping there. Each rank's parameters at the end."""
+    env = sw.detect()
+    torch.manual_seed(0)
+    model = TinyMLP()
+    bundle = sw.pipeline(env, sw.replicate(), sw.local_sgd(every=EVERY))(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state = sw.load(root, bundle) if sw.latest_checkpoint(root) else bundle.init()
+    for batch in batches(env.rank)[state.step:]:
+        state, _ = bundle.step(state, batch)
+        if state.step == save_at:
+            sw.save(root, bundle, state)
+            if halt:
+                return None
+    return snapshot(bundle.engine.unwrap(bundle.model))
+
+
+def test_a_save_is_a_synchronisation_point_and_a_resumed_run_equals_the_uninterrupted_one(
+        tmp_path):
+    """Saving at step 4 (between averages) averages parameters and optimizer state, so the
+    checkpoint is the one state every rank resumes from: stopped there and resumed in new
+    processes, the run ends as the one that saved at step 4 and went on."""
+    whole = run_distributed(resumable, str(tmp_path / "whole"), 4, False, world_size=2,
+                            timeout=180)
+    run_distributed(resumable, str(tmp_path / "cut"), 4, True, world_size=2, timeout=180)
+    resumed = run_distributed(resumable, str(tmp_path / "cut"), None, False, world_size=2,
+                              timeout=180)
+    for rank in (0, 1):
+        for name, value in whole[rank].items():
+            assert torch.equal(resumed[rank][name], value), (rank, name)
+    assert all(torch.equal(whole[0][k], whole[1][k]) for k in whole[0])
+
+
+def test_local_sgd_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="every"):
+        sw.local_sgd(every=0)
+    with pytest.raises(ConflictError, match=r"local_sgd\(every=2\) needs replicate\(\)"):
+        sw.pipeline(sw.Env(), sw.shard(), sw.local_sgd(every=2))
+    with pytest.raises(ConflictError, match="ZeRO-1 broadcasts"):
+        sw.pipeline(sw.Env(), sw.replicate(), sw.shard_optimizer(), sw.local_sgd(every=2))
+
+
+def test_in_one_process_local_sgd_changes_nothing():
+    def run(*extra):
+        torch.manual_seed(0)
+        model = TinyMLP()
+        bundle = sw.pipeline(sw.Env(), sw.replicate(), *extra)(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        state = bundle.init()
+        for batch in batches(0):
+            state, _ = bundle.step(state, batch)
+        return snapshot(model)
+
+    plain, local = run(), run(sw.local_sgd(every=EVERY))
+    assert all(torch.equal(plain[k], local[k]) for k in plain)

@@ -22,6 +22,7 @@ from typing import Any
 PUBLIC: dict[str, str] = {
     **dict.fromkeys(["errors", "policies", "testing"], ""),
     **dict.fromkeys(["Bundle"], "shardwise.bundle"),
+    **dict.fromkeys(["find_executable_batch_size", "largest_batch_size"], "shardwise.batch_size"),
     **dict.fromkeys(["latest_checkpoint"], "shardwise.checkpoint.layout"),
     **dict.fromkeys(["load", "save"], "shardwise.checkpoint.save_load"),
     **dict.fromkeys(["AsyncSave"], "shardwise.checkpoint.background"),
@@ -47,6 +48,7 @@ PUBLIC: dict[str, str] = {
     **dict.fromkeys(["compile"], "shardwise.transforms.compile_blocks"),
     **dict.fromkeys(["deepspeed"], "shardwise.deepspeed_engine.transform"),
     **dict.fromkeys(["distribute_data"], "shardwise.transforms.data_distribution"),
+    **dict.fromkeys(["local_sgd"], "shardwise.transforms.replica_averaging"),
     **dict.fromkeys(["mixed_precision"], "shardwise.transforms.precision_policy"),
     **dict.fromkeys(["offload"], "shardwise.transforms.offloading"),
     **dict.fromkeys(["place"], "shardwise.transforms.placement"),

@@ -4,6 +4,8 @@
 from shardwise import errors as errors
 from shardwise import policies as policies
 from shardwise import testing as testing
+from shardwise.batch_size import find_executable_batch_size as find_executable_batch_size
+from shardwise.batch_size import largest_batch_size as largest_batch_size
 from shardwise.bundle import Bundle as Bundle
 from shardwise.checkpoint.background import AsyncSave as AsyncSave
 from shardwise.checkpoint.full_weights import export as export
@@ -48,6 +50,7 @@ from shardwise.transforms.offloading import offload as offload
 from shardwise.transforms.optimizer_sharding import shard_optimizer as shard_optimizer
 from shardwise.transforms.placement import place as place
 from shardwise.transforms.precision_policy import mixed_precision as mixed_precision
+from shardwise.transforms.replica_averaging import local_sgd as local_sgd
 from shardwise.transforms.replication import replicate as replicate
 from shardwise.transforms.sharding import shard as shard
 from shardwise.transforms.tensor_parallelism import tensor_parallel as tensor_parallel
@@ -84,14 +87,17 @@ __all__ = [
     "errors",
     "estimate_memory",
     "export",
+    "find_executable_batch_size",
     "fit",
     "from_config",
     "from_ddp_args",
     "from_training_args",
     "gather_for_metrics",
     "init_on_meta",
+    "largest_batch_size",
     "latest_checkpoint",
     "load",
+    "local_sgd",
     "main_process_first",
     "mixed_precision",
     "offload",

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -61,6 +61,31 @@ class Bundle:
     mesh: Any = None
     """The pipeline's ``DeviceMesh`` with named dimensions (``dp_replicate``, ``dp_shard``,
     ``tp``) when ``tensor_parallel`` is in it, else None (``shard()`` builds its own)."""
+    distributor: Callable[[Any], Any] | None = attrs.field(default=None, repr=False, eq=False)
+    """How :func:`shardwise.distribute_data` distributed the loaders (what
+    :meth:`distribute` applies to another one); None before it ran."""
+
+    def distribute(self, loader: Iterable[Any]) -> Any:
+        """``loader`` distributed as ``eval_loader`` is: each rank its share, every rank the
+        same number of batches, delivered on the device. For loaders beyond the two a
+        pipeline call takes (a test set, several validation sets), each exact under
+        :func:`shardwise.gather_for_metrics` (pass it the loader).
+
+        Raises:
+            ArgumentError: the bundle was built without a loader (no ``distribute_data``).
+            DataError: ``loader`` cannot be split (see ``distribute_data``).
+
+        Example:
+            >>> test_loader = bundle.distribute(DataLoader(test_set, batch_size=32))
+            >>> for batch in test_loader:
+            ...     preds = bundle.predict(batch)
+        """
+        if self.distributor is None:
+            raise ArgumentError("Bundle.distribute() distributes as the bundle's loaders are, "
+                                "but this bundle was built without one; pass a loader (or "
+                                "eval_loader) to the pipeline call, or apply "
+                                "sw.distribute_data() to the bundle")
+        return self.distributor(loader)
 
     @property
     def sharded_optimizer(self) -> torch.optim.Optimizer | None:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from shardwise.env import Env
 from shardwise.errors import PolicyError
-from shardwise.memory import estimate_memory
+from shardwise.memory import SAFE_FRACTION, budget, estimate_memory
 from shardwise.mesh import layout_of
 from shardwise.transforms.activation_checkpointing import (
     CheckpointActivations,
@@ -26,18 +26,7 @@ from shardwise.transforms.sharding import shard
 
 __all__ = ["SAFE_FRACTION", "choose_distribution", "sample_batch"]
 
-#: The share of device memory the default pipeline plans to fill.
-SAFE_FRACTION = 0.8
 _MIB = 2**20
-
-
-def budget(env: Env) -> int | None:
-    """Bytes one rank may plan to use: a safe share of its device (of host RAM split by the
-    node's ranks on a CPU), or None when the memory is unknown."""
-    if env.device_memory_bytes is None:
-        return None
-    share = env.local_world_size if env.device.type == "cpu" else 1
-    return int(env.device_memory_bytes * SAFE_FRACTION / share)
 
 
 def sample_batch(loader: Iterable[Any] | None) -> Any:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shardwise.choice import SAFE_FRACTION
 from shardwise.env import Env
+from shardwise.memory import SAFE_FRACTION
 from shardwise.mesh import layout_of as mesh_layout_of
 from shardwise.transforms.base import Transform, plan_of
 

@@ -34,9 +34,20 @@ class _HasTransforms(Protocol):
     def transforms(self) -> tuple[Transform, ...]: ...
 
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "estimate_memory", "SAFE_FRACTION", "budget"]
 
 _MIB = 2**20
+#: The share of device memory a rank plans to fill (the default pipeline's choice, ``fits``).
+SAFE_FRACTION = 0.8
+
+
+def budget(env: Env) -> int | None:
+    """Bytes one rank may plan to use: a safe share of its device (of host RAM split by the
+    node's ranks on a CPU), or None when the memory is unknown."""
+    if env.device_memory_bytes is None:
+        return None
+    share = env.local_world_size if env.device.type == "cpu" else 1
+    return int(env.device_memory_bytes * SAFE_FRACTION / share)
 
 
 @attrs.frozen
@@ -57,6 +68,9 @@ class MemoryEstimate:
         working_bytes: parameters gathered for compute under shard (blocks in flight).
         total_bytes: the sum of the above.
         layout: what was estimated, e.g. "shard over 4 ranks + offload".
+        budget_bytes: what one rank may plan to use (``SAFE_FRACTION`` of its device; of
+            host RAM split by the node's ranks on a CPU), None when unknown.
+        activations_missing: why ``activations_bytes`` is None ("" when measured).
     """
 
     params_bytes: int
@@ -66,6 +80,16 @@ class MemoryEstimate:
     working_bytes: int
     total_bytes: int
     layout: str
+    budget_bytes: int | None = None
+    activations_missing: str = ""
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the total fits ``budget_bytes``; None when a term is unknown (the
+        activations, see ``activations_missing``, or the device's memory)."""
+        if self.activations_bytes is None or self.budget_bytes is None:
+            return None
+        return self.total_bytes <= self.budget_bytes
 
     def __str__(self) -> str:
         rows = [("parameters", self.params_bytes), ("gradients", self.grads_bytes),
@@ -76,6 +100,11 @@ class MemoryEstimate:
         for name, value in rows:
             shown = "not measured" if value is None else f"{value / _MIB:10.2f} MiB"
             lines.append(f"  {name:<22}{shown:>16}")
+        if self.activations_missing:
+            lines.append(f"  activations not measured: {self.activations_missing}")
+        if self.budget_bytes is not None:
+            verdict = {True: "fits", False: "does not fit", None: "cannot tell"}[self.fits]
+            lines.append(f"  budget {self.budget_bytes / _MIB:.2f} MiB: {verdict}")
         return "\n".join(lines)
 
 
@@ -129,8 +158,9 @@ def _block_meter(blocks: list[nn.Module], counter: list[int],
 
 
 def _activations(model: nn.Module, batch: Any, precision: Precision,
-                 checkpointed: Policy | None) -> int | None:
-    """Bytes saved for backward by one forward of ``batch``, run on the meta device."""
+                 checkpointed: Policy | None) -> tuple[int | None, str]:
+    """Bytes saved for backward by one forward of ``batch``, run on the meta device; None
+    and why when the forward cannot run there."""
     dtype = precisions.dtype(precision)
     params = {n: torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else None)
               .requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
@@ -159,13 +189,17 @@ def _activations(model: nn.Module, batch: Any, precision: Precision,
                 functional_call(model, {**params, **buffers}, tuple(batch))
             else:
                 functional_call(model, {**params, **buffers}, (batch,))
-    except Exception:  # data-dependent code cannot run on meta tensors
-        return None
+    except Exception as exc:  # data-dependent code cannot run on meta tensors
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return None, (f"the model's forward cannot run on the meta device ({type(exc).__name__}: "
+                      f"{first}); it reads values of tensors (.item(), data-dependent shapes "
+                      "or control flow), which a meta tensor does not have. The other terms "
+                      "are exact; measure the activations with one step on the device")
     if not per_block:
-        return counter[0]
+        return counter[0], ""
     inside = sum(saved for saved, _ in per_block)
     kept_inputs = sum(inputs for _, inputs in per_block)
-    return counter[0] - inside + kept_inputs + max(saved for saved, _ in per_block)
+    return counter[0] - inside + kept_inputs + max(saved for saved, _ in per_block), ""
 
 
 def _transforms(pipeline: _HasTransforms | Sequence[Transform] | None) -> list[Transform]:
@@ -224,12 +258,12 @@ def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transf
     parts = engine.memory(model, env, trained=trained, optimizer_layout=_optimizer_layout(optimizer),
                           precision_bytes=precisions.dtype(plan.precision).itemsize,
                           accumulating=plan.accumulation_steps > 1)
-    activations = None
+    activations, missing = None, "no sample batch was given (batch=...)"
     if batch is not None:
-        activations = _activations(model, batch, plan.precision,
-                                   ckpt.policy if ckpt is not None else None)
+        activations, missing = _activations(model, batch, plan.precision,
+                                            ckpt.policy if ckpt is not None else None)
     layout = parts.layout + (" + activation checkpointing" if ckpt is not None else "")
     total = (parts.params_bytes + parts.grads_bytes + parts.optimizer_bytes + (activations or 0)
              + parts.working_bytes)
     return MemoryEstimate(parts.params_bytes, parts.grads_bytes, parts.optimizer_bytes,
-                          activations, parts.working_bytes, total, layout)
+                          activations, parts.working_bytes, total, layout, budget(env), missing)

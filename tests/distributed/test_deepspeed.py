@@ -239,6 +239,54 @@ def test_auto_values_are_resolved_as_transformers_resolves_them():
     assert config["train_batch_size"] == "auto"  # the user's mapping is left as it was
 
 
+def test_the_schedulers_auto_totals_are_the_runs_steps_as_the_trainer_fills_them():
+    """total_num_steps = ceil(epochs * optimizer steps per epoch), the steps per epoch from
+    the loader's batches per rank (DistributedSampler's split) over the accumulation, a
+    partial window counted; warmup_num_steps from a count or a fraction, at least 1."""
+    from shardwise.data import shard_loader
+    from shardwise.deepspeed_engine.transform import steps_per_epoch
+
+    for size, batch, world, drop in ((37, 4, 2, False), (37, 4, 3, True), (8, 4, 2, False)):
+        loader = DataLoader(SyntheticTokens(size=size, seq_len=4), batch_size=batch,
+                            drop_last=drop)
+        env = sw.Env(world_size=world, rank=world - 1, local_rank=world - 1,
+                     local_world_size=world)
+        batches = len(shard_loader(loader, env, seed=0))  # what each rank really iterates
+        for accumulation in (1, 3):
+            assert steps_per_epoch(loader, world, accumulation) == max(
+                1, -(-batches // accumulation)), (size, batch, world, drop, accumulation)
+
+    config = {"scheduler": {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": "auto", "warmup_num_steps": "auto"}}}
+    loader = _loader(2)  # 32 samples, 2 per batch: 8 batches per rank on 2 ranks
+    for transform, expected in (
+            (sw.deepspeed(config, epochs=1.5, warmup=0.1), (6, 1)),  # 8 / accumulation 2 = 4
+            (sw.deepspeed(config, steps=50, warmup=5), (50, 5)),
+            (sw.deepspeed(config, epochs=2, steps=7, warmup=0), (7, 1))):
+        total, warmup = transform._schedule(loader, sw.Env(world_size=2), 2)
+        assert (total, warmup) == expected
+        cfg, _, _ = resolve(config, "ds.json", given=_given(), micro=2, world=2, model=_model(),
+                            optimizer=None, schedule=lambda steps, t=total, w=warmup: (t, w))
+        assert cfg["scheduler"]["params"]["total_num_steps"] == expected[0]
+        assert cfg["scheduler"]["params"]["warmup_num_steps"] == expected[1]
+    with pytest.raises(ArgumentError, match="'warmup' must be a count >= 0 or a fraction"):
+        sw.deepspeed(config, warmup=2.5)
+    with pytest.raises(ArgumentError, match="'epochs' must be a number > 0"):
+        sw.deepspeed(config, epochs=0)
+
+
+def test_deepspeeds_own_scheduler_runs_the_auto_total_from_the_run():
+    pytest.importorskip("deepspeed")
+    config = {"train_micro_batch_size_per_gpu": "auto", "scheduler": {
+        "type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto",
+                                            "warmup_max_lr": "auto", "warmup_min_lr": "auto"}}}
+    model = _model()
+    bundle = sw.pipeline(sw.Env(), sw.deepspeed(config, epochs=2, warmup=0.25))(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), _loader(4))
+    scheduler = bundle.engine.ds.lr_scheduler  # DeepSpeed's own, built from the filled config
+    assert scheduler.total_num_steps == 16 and scheduler.warmup_num_steps == 4  # 8 batches x 2
+
+
 @pytest.mark.parametrize(("config", "given", "message"), [
     ({"bf16": {"enabled": True}}, _given("fp32", "mixed_precision('fp32')"),
      r"ds.json: bf16.enabled=True contradicts mixed_precision\('fp32'\) in the pipeline"),
@@ -254,7 +302,8 @@ def test_auto_values_are_resolved_as_transformers_resolves_them():
     ({"zero_optimization": {"reduce_bucket_size": "auto"}}, _given(),
      r"zero_optimization.reduce_bucket_size=\"auto\" is filled from the model's config"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}, _given(),
-     r"scheduler.params.warmup_num_steps=\"auto\" cannot be resolved here"),
+     r"scheduler.params.warmup_num_steps=\"auto\" is the run's length: give it as "
+     r"sw.deepspeed\(config, epochs=... or steps=..., warmup=...\)"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, _given(), r"both true"),
     ({"gradient_accumulation_steps": 0}, _given(), r"gradient_accumulation_steps=0"),
     ({"gradient_accumulation_steps": 10**15}, _given(),

@@ -93,6 +93,40 @@ def test_metrics_over_padded_shards_equal_one_process_exactly(world, size, batch
     assert len(batches) == 1  # every rank runs the same number of batches
 
 
+def evaluate_extra_loaders(sizes):
+    """A training loader, then one more loader per size distributed by the bundle: each
+    loader's gathered labels and correct predictions over one pass."""
+    model = Classifier()
+    bundle = sw.pipeline(sw.detect(), sw.replicate())(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(Labelled(8), batch_size=2))
+    extra = {f"set{size}": bundle.distribute(DataLoader(Labelled(size), batch_size=3))
+             for size in sizes}
+    found = {}
+    for name, loader in extra.items():
+        labels, correct, batches = [], 0, 0
+        for x, y in loader:
+            preds, y = sw.gather_for_metrics((bundle.predict((x,)).argmax(-1), y), loader)
+            labels += y.tolist()
+            correct += int((preds == y).sum())
+            batches += 1
+        found[name] = (labels, correct, batches)
+    return found
+
+
+def test_any_number_of_extra_loaders_are_distributed_and_gathered_exactly():
+    """bundle.distribute(loader) splits a third, fourth, ... loader as eval_loader is split:
+    the gathered labels are each dataset in order (padding dropped; 7 and 11 samples do not
+    divide into 2 ranks' batches of 3) and the correct count is one process's."""
+    ranks = run_distributed(evaluate_extra_loaders, (7, 11), world_size=2)
+    assert ranks[0] == ranks[1]
+    for size in (7, 11):
+        labels, correct, batches = ranks[0][f"set{size}"]
+        assert sorted(labels) == sorted(Labelled(size).y.tolist()) and len(labels) == size
+        assert correct == one_process_accuracy(size, 3)[0]
+    with pytest.raises(sw.errors.ArgumentError, match="built without one"):
+        sw.pipeline(ONE)(torch.nn.Linear(2, 2), None).distribute([1, 2])
+
+
 def test_predict_runs_without_gradients_in_eval_mode_at_the_training_precision():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
     bundle = sw.pipeline(ONE, sw.mixed_precision("bf16"))(model, torch.optim.SGD(model.parameters()))

@@ -124,8 +124,15 @@ def deepspeed_engine_transforms(src: Source, a: dict[str, Any], said: Settings
     merge(said, theirs)
     where = str(a["deepspeed"]) if isinstance(a["deepspeed"], (str, Path)) else \
         "the deepspeed mapping"
-    out: list[Transform] = [deepspeed(copy.deepcopy(dict(inner.data)), source=where),
-                            mixed_precision(trainer_precision(said))]
+    max_steps = a.get("max_steps")
+    steps = max_steps if isinstance(max_steps, int) and not isinstance(max_steps, bool) \
+        and max_steps > 0 else None
+    epochs = a.get("num_train_epochs") if steps is None else None
+    warmup = a.get("warmup_steps") or 0
+    run = deepspeed(copy.deepcopy(dict(inner.data)), source=where, steps=steps,
+                    epochs=epochs if isinstance(epochs, (int, float)) and epochs > 0 else None,
+                    warmup=warmup)
+    out: list[Transform] = [run, mixed_precision(trainer_precision(said))]
     steps, clip = value(said, "steps", 1), value(said, "clipping", 0.0)
     if steps > 1:
         out.append(accumulate_gradients(steps))

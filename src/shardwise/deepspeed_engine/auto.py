@@ -12,7 +12,7 @@ an error naming its key: DeepSpeed never sees an ``"auto"``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import attrs
@@ -112,14 +112,18 @@ def _optimizer(cfg: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> 
             params[key] = fills[key]
 
 
-def _scheduler(cfg: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> None:
-    """The scheduler block's ``"auto"`` warm-up learning rates."""
+def _scheduler(cfg: dict[str, Any], optimizer: torch.optim.Optimizer | None,
+               schedule: tuple[int | None, int | None]) -> None:
+    """The scheduler block's ``"auto"`` warm-up learning rates, total and warm-up steps."""
     block = cfg.get("scheduler")
     params = block.get("params") if isinstance(block, dict) else None
     if not isinstance(params, dict):
         return
     lr = optimizer.param_groups[0].get("lr") if optimizer is not None else None
-    for key, fill in {"warmup_max_lr": lr, "warmup_min_lr": 0.0}.items():
+    total, warmup = schedule
+    fills = {"warmup_max_lr": lr, "warmup_min_lr": 0.0, "total_num_steps": total,
+             "warmup_num_steps": warmup}
+    for key, fill in fills.items():
         if params.get(key) == AUTO and fill is not None:
             params[key] = fill
 
@@ -144,8 +148,9 @@ def _buckets(cfg: dict[str, Any], origin: str, model: torch.nn.Module) -> None:
 
 
 def resolve(config: Mapping[str, Any], origin: str, *, given: Given, micro: int | None,
-            world: int, model: torch.nn.Module,
-            optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Precision, int]:
+            world: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+            schedule: Callable[[int], tuple[int | None, int | None]] = lambda steps: (None, None),
+            ) -> tuple[dict[str, Any], Precision, int]:
     """``config`` ready for ``deepspeed.initialize``, its precision and accumulation steps.
 
     Raises:
@@ -161,9 +166,15 @@ def resolve(config: Mapping[str, Any], origin: str, *, given: Given, micro: int 
         cfg["gradient_clipping"] = value(merged, "clipping", given.clipping or 0.0)
     _batch(cfg, origin, said, micro, steps, world)
     _optimizer(cfg, optimizer)
-    _scheduler(cfg, optimizer)
+    _scheduler(cfg, optimizer, schedule(steps))
     _buckets(cfg, origin, model)
     left = [_excerpt(key, 80).strip("'") for key in sorted(_autos(cfg))]
+    run = [key for key in left if key.endswith(("total_num_steps", "warmup_num_steps"))]
+    if run:
+        raise ConfigError.at(origin, f"{run[0]}=\"auto\" is the run's length: give it as "
+                             "sw.deepspeed(config, epochs=... or steps=..., warmup=...) (from "
+                             "TrainingArguments: num_train_epochs or max_steps, warmup_steps), "
+                             "or write the value")
     if left:
         raise ConfigError.at(origin, f"{left[0]}=\"auto\" cannot be resolved here (shardwise "
                              "fills the batch sizes, accumulation, precision, clipping, "

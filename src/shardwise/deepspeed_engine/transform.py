@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,7 +33,7 @@ __all__ = ["DeepSpeed", "deepspeed"]
 EXTRA = "pip install 'shardwise[deepspeed]'"
 
 
-def _config(value: Any) -> str | Mapping[str, Any]:
+def _config_value(value: Any) -> str | Mapping[str, Any]:
     if isinstance(value, os.PathLike):
         return str(value)
     if isinstance(value, str) or isinstance(value, Mapping):
@@ -63,6 +64,44 @@ def _layout(config: Mapping[str, Any], origin: str) -> tuple[int, tuple[str, ...
     return value(said, "stage", 0), offload
 
 
+def _optional_positive(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value) or value <= 0):
+        raise ArgumentError(f"deepspeed() {attribute.name!r} must be a number > 0 or None "
+                            f"(got {short(value)})")
+
+
+def _optional_count(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ArgumentError(f"deepspeed() {attribute.name!r} must be an integer >= 1 or None "
+                            f"(got {short(value)})")
+
+
+def _optional_warmup(instance: Any, attribute: Any, value: Any) -> None:
+    number = not isinstance(value, bool) and isinstance(value, (int, float)) \
+        and math.isfinite(value) and value >= 0
+    if value is not None and not (number and (value < 1 or value == int(value))):
+        raise ArgumentError(f"deepspeed() 'warmup' must be a count >= 0 or a fraction < 1 of "
+                            f"the total (got {short(value)})")
+
+
+def steps_per_epoch(loader: Any, world: int, accumulation: int) -> int | None:
+    """Optimizer steps in one epoch of ``loader`` split over ``world`` ranks as
+    ``DistributedSampler`` splits it (None: its length is unknown)."""
+    dataset = getattr(loader, "dataset", None)
+    size = getattr(loader, "batch_size", None)
+    try:
+        total = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    if not isinstance(size, int) or size < 1:
+        return None
+    drop = bool(getattr(loader, "drop_last", False))
+    per_rank = total // world if drop else -(-total // world)
+    batch = per_rank // size if drop else -(-per_rank // size)
+    return max(1, -(-batch // accumulation))
+
+
 def _join(env: Env) -> None:
     """The process group DeepSpeed runs over, and the variables it reads: torchrun's, set
     from ``env`` where another launcher (srun, mpirun) or none started the job; one process
@@ -90,16 +129,28 @@ class DeepSpeed(Distribution):
     before DeepSpeed reads them) and ``sw.export`` drive it; DeepSpeed decides the
     accumulation boundaries. Needs ``pip install 'shardwise[deepspeed]'``.
 
+    A scheduler block's ``"auto"`` ``total_num_steps`` is the run's optimizer steps, as the
+    Trainer fills it: ``steps``, or ``epochs`` times the optimizer steps per epoch of the
+    pipeline's loader (its batches per rank, split as ``DistributedSampler`` splits, over the
+    accumulation, a partial window counted); ``"auto"`` ``warmup_num_steps`` is ``warmup``
+    (steps, or a fraction < 1 of the total), at least 1 as DeepSpeed requires.
+
     Args:
         config: a path to a DeepSpeed JSON, or a mapping.
+        epochs: the epochs the run trains (for the scheduler's ``"auto"`` total).
+        steps: the optimizer steps the run trains (takes precedence over ``epochs``).
+        warmup: warm-up steps, or a fraction < 1 of the total (for ``"auto"`` warm-up).
 
     Example:
         >>> bundle = sw.pipeline(sw.deepspeed("ds_config.json"))(model, optimizer, loader)
     """
 
-    config: str | Mapping[str, Any] = attrs.field(converter=_config, hash=False)
+    config: str | Mapping[str, Any] = attrs.field(converter=_config_value, hash=False)
     source: str | None = attrs.field(default=None, kw_only=True, eq=False)
     """Where a mapping came from (a config file it was built from), for messages."""
+    epochs: float | None = attrs.field(default=None, kw_only=True, validator=_optional_positive)
+    steps: int | None = attrs.field(default=None, kw_only=True, validator=_optional_count)
+    warmup: float | None = attrs.field(default=None, kw_only=True, validator=_optional_warmup)
     factory_name: ClassVar[str] = "deepspeed"
     #: the config, not a pipeline default, decides the precision
     decides_precision: ClassVar[bool] = True
@@ -178,7 +229,8 @@ class DeepSpeed(Distribution):
         config, precision, steps = resolve(
             self._read(), self.origin, given=self._given(plan),
             micro=getattr(bundle.loader, "batch_size", None), world=env.world_size,
-            model=bundle.model, optimizer=bundle.optimizer)
+            model=bundle.model, optimizer=bundle.optimizer,
+            schedule=lambda accumulation: self._schedule(bundle.loader, env, accumulation))
         if isinstance(config.get("scheduler"), Mapping) and bundle.scheduler is not None:
             raise ConflictError(f"{self.origin} has a scheduler block and a scheduler was passed "
                                 "to the pipeline call: keep one")
@@ -203,6 +255,18 @@ class DeepSpeed(Distribution):
             optimizer=optimizer if own_optimizer else bundle.optimizer,
             scheduler=bundle.scheduler if scheduler is None else None,
             engine=self._engine(env, engine))
+
+    def _schedule(self, loader: Any, env: Env, accumulation: int) -> tuple[int | None, int | None]:
+        """The run's optimizer steps and warm-up steps (None: not known from the arguments
+        and the loader)."""
+        total = self.steps
+        if total is None and self.epochs is not None:
+            per_epoch = steps_per_epoch(loader, env.world_size, accumulation)
+            total = None if per_epoch is None else math.ceil(self.epochs * per_epoch)
+        warmup = self.warmup
+        if warmup is not None and 0 < warmup < 1:
+            warmup = None if total is None else math.ceil(warmup * total)
+        return total, None if warmup is None else max(1, int(warmup))
 
     def describe(self, env: Env) -> str:
         where = Path(self.origin).name if isinstance(self.config, str) or self.source else \

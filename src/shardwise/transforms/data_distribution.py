@@ -85,7 +85,7 @@ class DistributeData(Transform):
             return DeviceLoader(sharded, env.device, non_blocking=self.non_blocking)
 
         return attrs.evolve(bundle, loader=distributed(bundle.loader),
-                            eval_loader=distributed(bundle.eval_loader))
+                            eval_loader=distributed(bundle.eval_loader), distributor=distributed)
 
     @staticmethod
     def mesh(env: Env, plan: Plan) -> MeshLayout | None:

@@ -1,0 +1,100 @@
+# Batch sizes that fit: find_executable_batch_size halving on out-of-memory, largest_batch_size by estimate.
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.errors import ArgumentError, EnvError
+from shardwise.memory import SAFE_FRACTION
+from shardwise.testing import TinyTransformerLM
+
+
+def allocating(limit):
+    """A training function that asks torch's CPU allocator for 4 EiB above ``limit`` samples:
+    a real out-of-memory error from the allocator, not one raised by the test."""
+    tried = []
+
+    def train(batch_size, scale=1):
+        tried.append(batch_size)
+        if batch_size > limit:
+            torch.empty(2**62, dtype=torch.uint8)
+        return batch_size * scale
+
+    return train, tried
+
+
+def test_find_executable_batch_size_halves_on_out_of_memory_until_it_runs():
+    train, tried = allocating(20)
+    assert sw.find_executable_batch_size(train, starting_batch_size=128)(scale=2) == 32
+    assert tried == [128, 64, 32, 16]
+    decorated, tried = allocating(3)
+    assert sw.find_executable_batch_size(starting_batch_size=8)(decorated)() == 2
+    assert tried == [8, 4, 2]
+
+    never, tried = allocating(0)
+    with pytest.raises(RuntimeError, match="no batch size from 4 down to 1") as caught:
+        sw.find_executable_batch_size(never, starting_batch_size=4)()
+    assert tried == [4, 2, 1] and "allocate" in str(caught.value.__cause__)
+
+
+def test_find_executable_batch_size_raises_any_other_error_at_once_and_checks_its_arguments():
+    calls = []
+
+    def broken(batch_size):
+        calls.append(batch_size)
+        raise ValueError("a bug, not memory")
+
+    with pytest.raises(ValueError, match="a bug"):
+        sw.find_executable_batch_size(broken, starting_batch_size=64)()
+    assert calls == [64]
+    with pytest.raises(ArgumentError, match="'starting_batch_size' must be an integer >= 1"):
+        sw.find_executable_batch_size(broken, starting_batch_size=0)
+    with pytest.raises(ArgumentError, match="called without 'batch_size'"):
+        sw.find_executable_batch_size(broken)(batch_size=3)
+    with pytest.raises(ArgumentError, match="first parameter"):
+        sw.find_executable_batch_size(lambda: None)
+
+
+def tokens(n):
+    return {"input_ids": torch.zeros(n, 32, dtype=torch.long),
+            "labels": torch.zeros(n, 32, dtype=torch.long)}
+
+
+def test_largest_batch_size_is_the_largest_the_estimate_admits():
+    model = TinyTransformerLM(vocab=64, dim=32, heads=2, layers=2)
+    env = sw.Env(device_memory_bytes=3 * 2**20)
+    pipe = [sw.replicate()]
+    size = sw.largest_batch_size(model, pipe, tokens, start=64, env=env)
+    admitted = [n for n in range(1, 65)
+                if sw.estimate_memory(model, pipe, env, batch=tokens(n)).fits]
+    assert admitted and size == max(admitted) and admitted == list(range(1, size + 1))
+    assert size == 11  # not a power of two: the search goes on between 8 and 16
+    with pytest.raises(EnvError, match="even a batch of 1 does not fit"):
+        sw.largest_batch_size(model, pipe, tokens, env=sw.Env(device_memory_bytes=2**10))
+    with pytest.raises(EnvError, match="memory is unknown"):
+        sw.largest_batch_size(model, pipe, tokens, env=sw.Env())
+    with pytest.raises(ArgumentError, match="'start' must be an integer >= 1"):
+        sw.largest_batch_size(model, pipe, tokens, start=0, env=env)
+
+
+class Reads(torch.nn.Module):
+    """A forward that reads a tensor's value, as some Transformers models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x)[: int(x.sum().item()) + 1].sum()
+
+
+def test_an_estimate_says_why_it_has_no_activations_and_what_it_cannot_tell():
+    env = sw.Env(device_memory_bytes=2**30)
+    estimate = sw.estimate_memory(Reads(), [], env, batch=torch.ones(2, 4))
+    assert estimate.activations_bytes is None and estimate.fits is None
+    assert "cannot run on the meta device" in estimate.activations_missing
+    assert ".item()" in estimate.activations_missing and "cannot tell" in str(estimate)
+    plain = sw.estimate_memory(TinyTransformerLM(vocab=64, dim=32, heads=2, layers=2), [], env)
+    assert plain.activations_missing.startswith("no sample batch") and plain.fits is None
+    measured = sw.estimate_memory(TinyTransformerLM(vocab=64, dim=32, heads=2, layers=2), [], env,
+                                  batch=tokens(2))
+    assert measured.fits is True and measured.budget_bytes == int(2**30 * SAFE_FRACTION)

@@ -23,6 +23,8 @@ from shardwise.errors import ArgumentError
 from shardwise.loggers import Logger
 from shardwise.metrics import reduce
 from shardwise.state import TrainState
+from shardwise.throughput import Meter
+from shardwise.throughput import peak_flops as device_peak
 
 __all__ = ["fit"]
 
@@ -79,7 +81,8 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
         eval_fn: Callable[[Bundle], Mapping[str, float]] | None = None,
         eval_every: int | None = None, log_every: int | None = 10,
         loggers: Iterable[Logger] = (), progress: bool = True,
-        async_checkpoints: bool = False, report_to: Iterable[Logger] = ()) -> TrainState:
+        async_checkpoints: bool = False, report_to: Iterable[Logger] = (),
+        peak_flops: float | None = None) -> TrainState:
     """Train ``bundle`` for ``epochs`` epochs of ``bundle.loader`` and/or ``steps`` optimizer
     steps (whichever ends first), and return the final state.
 
@@ -94,6 +97,13 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     last one, at the end or on Ctrl-C, is waited for before ``fit`` returns or re-raises.
     ``report_to`` are loggers too: the ones ``pipe.fit_options`` gives (TrainingArguments'
     ``report_to``), beside your own ``loggers``.
+
+    Each logging step also logs the throughput since the last one, over all ranks and the
+    time spent in training steps: ``train/samples_per_s``, ``train/tokens_per_s`` (when
+    batches have ``input_ids``) and ``train/mfu`` (model FLOPs utilisation, a fraction: the
+    model's training FLOPs per token from :func:`shardwise.throughput.flops_per_token` over
+    the device's peak, from :data:`shardwise.throughput.PEAK_FLOPS` or ``peak_flops``, the
+    peak FLOP/s of one device).
 
     On the main process each logged line is printed above the progress bar (with
     ``progress=False``, to Python logging only). A run whose checkpoint is already at its
@@ -118,6 +128,10 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     if not isinstance(async_checkpoints, bool):
         raise ArgumentError(f"fit() 'async_checkpoints' must be True or False (got "
                             f"{short(async_checkpoints)})")
+    if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(
+            peak_flops, (int, float)) or not peak_flops > 0 or peak_flops == float("inf")):
+        raise ArgumentError(f"fit() 'peak_flops' must be a number > 0 (one device's peak FLOP/s) "
+                            f"or None (got {short(peak_flops)})")
     if (checkpoint_every is not None or keep_last is not None) and checkpoint_dir is None:
         raise ArgumentError("fit() 'checkpoint_every' and 'keep_last' need a 'checkpoint_dir'")
     if eval_every is not None and eval_fn is None:
@@ -132,6 +146,10 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     bar = _bar(bundle, state, steps, progress)
     losses: list[torch.Tensor] = []
     boundary, saved, evaluated = state, -1, -1
+    env = bundle.env
+    meter = Meter(bundle.engine.unwrap(bundle.model), env,
+                  bundle.engine.batch_copies(env) if env.is_distributed else 1,
+                  peak_flops or device_peak(env, bundle.plan.precision))
 
     if _complete(state, epochs, steps):
         if bundle.env.is_main:
@@ -153,13 +171,17 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     def checkpoint(background: bool = False) -> None:
         nonlocal saved
         if checkpoint_dir is not None and saved != boundary.step:
-            save(checkpoint_dir, bundle, boundary, keep_last=keep_last, blocking=not background)
+            with meter.paused():
+                save(checkpoint_dir, bundle, boundary, keep_last=keep_last,
+                     blocking=not background)
             saved = boundary.step
 
     def evaluate() -> None:
         nonlocal evaluated
         if eval_fn is not None and evaluated != boundary.step:
-            record({f"eval/{k}": float(v) for k, v in eval_fn(bundle).items()})
+            with meter.paused():
+                metrics = {f"eval/{k}": float(v) for k, v in eval_fn(bundle).items()}
+            record(metrics)
             evaluated = boundary.step
 
     try:
@@ -170,6 +192,7 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
             before = state.micro_step
             for batch in bundle.loader:
                 state, out = bundle.step(state, batch)
+                meter.add(out.samples, out.tokens)
                 if log_every:
                     losses.append(out.loss)
                 if state.window_batches:
@@ -180,7 +203,8 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
                 if log_every and state.step % log_every == 0:
                     loss = float(reduce(torch.stack(losses).float().mean()))
                     losses.clear()
-                    record({"train/loss": loss, "train/lr": out.lr or 0.0})
+                    rates = {f"train/{k}": v for k, v in meter.rates().items()}
+                    record({"train/loss": loss, "train/lr": out.lr or 0.0, **rates})
                     if bar is not None:
                         bar.set_postfix(loss=f"{loss:.4g}", lr=f"{out.lr or 0.0:.3g}")
                 if checkpoint_every and state.step % checkpoint_every == 0:

@@ -113,12 +113,17 @@ class StepOutput:
             update a fused kernel skipped on the device; the next call raises for it).
         lr: the learning rate of the first param group this call used (its update's, before
             the scheduler stepped), as the Trainer logs it.
+        samples: samples in this rank's micro-batch (the first dimension of its first tensor).
+        tokens: elements of its ``input_ids`` (None without them): with ``samples``, what
+            ``sw.fit``'s throughput counts.
     """
 
     loss: torch.Tensor
     grad_norm: torch.Tensor | None
     stepped: bool
     lr: float | None
+    samples: int = 1
+    tokens: int | None = None
 
 
 def check_on_nonfinite(value: Any, where: str, *, allow_none: bool = False) -> None:

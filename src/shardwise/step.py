@@ -20,6 +20,7 @@ from shardwise.env import Env
 from shardwise.errors import NonFiniteError, OptimizerError
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
+from shardwise.throughput import batch_counts
 
 __all__ = ["Stepper", "call_model", "predict"]
 
@@ -180,5 +181,7 @@ class Stepper:
             window_weighted=None if boundary else done.weighted,
             window_losses=None if boundary else done.losses,
             synced=state.synced or done.synced, pending_check=end.pending)
+        samples, tokens = batch_counts(batch)
         return next_state, StepOutput(loss=done.loss, grad_norm=end.norm,
-                                      stepped=boundary and not end.skipped, lr=lr)
+                                      stepped=boundary and not end.skipped, lr=lr,
+                                      samples=samples, tokens=tokens)

@@ -101,3 +101,42 @@ def test_a_configs_notices_are_logged_by_one_rank(monkeypatch, caplog):
             src.notice("ipex_config", "is not applied")
         assert src.notices == ["cfg.yaml: ipex_config is not applied"]  # explain() has it
         assert ("ipex_config is not applied" in caplog.text) is logged
+
+
+def test_throughput_and_mfu_are_logged_from_a_hand_count_of_tokens_and_flops():
+    """tokens/s over samples/s is the sequence length (both over the same training time);
+    MFU is tokens/s x 6 x the parameters outside embeddings over the peak given."""
+    from shardwise.testing import SyntheticTokens, TinyTransformerLM
+    from shardwise.throughput import flops_per_token
+
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
+    loader = DataLoader(SyntheticTokens(size=32, seq_len=8), batch_size=4)
+    bundle = sw.pipeline(ONE)(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader)
+    recording = Recording()
+    sw.fit(bundle, steps=4, log_every=2, progress=False, loggers=[recording], peak_flops=1e12)
+    hand = 6 * sum(p.numel() for name, p in model.named_parameters()
+                   if not name.startswith(("embed.", "pos.")))
+    assert flops_per_token(model, 8) == hand
+    for _, metrics in recording.logged:
+        assert metrics["train/tokens_per_s"] == pytest.approx(8 * metrics["train/samples_per_s"])
+        assert metrics["train/mfu"] == pytest.approx(metrics["train/tokens_per_s"] * hand / 1e12)
+        assert 0 < metrics["train/mfu"] < 1
+    regression = Recording()  # (x, y) batches: no tokens, no MFU
+    sw.fit(bundle_of(), steps=2, log_every=1, progress=False, loggers=[regression],
+           peak_flops=1e12)
+    assert set(regression.logged[0][1]) == {"train/loss", "train/lr", "train/samples_per_s"}
+    with pytest.raises(ValueError, match="'peak_flops' must be a number > 0"):
+        sw.fit(bundle_of(), steps=1, peak_flops=0)
+
+
+def test_a_transformers_models_flops_per_token_count_attention():
+    transformers = pytest.importorskip("transformers")
+    from shardwise.throughput import flops_per_token
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    outside = sum(p.numel() for name, p in model.named_parameters()
+                  if "embed_tokens" not in name)  # the untied lm_head counts
+    assert flops_per_token(model, 16) == 6 * outside + 12 * 2 * 32 * 16

@@ -33,6 +33,8 @@ PUBLIC: dict[str, str] = {
     **dict.fromkeys(["CONFIG_ENV_VAR", "Env", "detect"], "shardwise.env"),
     **dict.fromkeys(["export"], "shardwise.checkpoint.full_weights"),
     **dict.fromkeys(["Logger", "TensorBoardLogger"], "shardwise.loggers"),
+    **dict.fromkeys(["MLflowTracker", "TrackioTracker", "WandbTracker", "register_tracker"],
+                    "shardwise.trackers"),
     **dict.fromkeys(["fit"], "shardwise.loop"),
     **dict.fromkeys(["MemoryEstimate", "estimate_memory"], "shardwise.memory"),
     **dict.fromkeys(["init_on_meta"], "shardwise.meta_init"),

@@ -38,6 +38,10 @@ from shardwise.policies import by_class as by_class
 from shardwise.policies import by_size as by_size
 from shardwise.state import StepOutput as StepOutput
 from shardwise.state import TrainState as TrainState
+from shardwise.trackers import MLflowTracker as MLflowTracker
+from shardwise.trackers import TrackioTracker as TrackioTracker
+from shardwise.trackers import WandbTracker as WandbTracker
+from shardwise.trackers import register_tracker as register_tracker
 from shardwise.trainer_class import Trainer as Trainer
 from shardwise.trainer_class import on_shardwise as on_shardwise
 from shardwise.transforms.accumulation import accumulate_gradients as accumulate_gradients
@@ -64,14 +68,17 @@ __all__ = [
     "CONFIG_ENV_VAR",
     "Env",
     "Logger",
+    "MLflowTracker",
     "MemoryEstimate",
     "Pipeline",
     "Plan",
     "StepOutput",
     "TensorBoardLogger",
+    "TrackioTracker",
     "TrainState",
     "Trainer",
     "Transform",
+    "WandbTracker",
     "__version__",
     "accumulate_gradients",
     "auto",
@@ -106,6 +113,7 @@ __all__ = [
     "place",
     "policies",
     "reduce",
+    "register_tracker",
     "replicate",
     "save",
     "shard",

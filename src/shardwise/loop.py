@@ -82,7 +82,8 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
         eval_every: int | None = None, log_every: int | None = 10,
         loggers: Iterable[Logger] = (), progress: bool = True,
         async_checkpoints: bool = False, report_to: Iterable[Logger] = (),
-        peak_flops: float | None = None) -> TrainState:
+        peak_flops: float | None = None, config: Mapping[str, Any] | None = None
+        ) -> TrainState:
     """Train ``bundle`` for ``epochs`` epochs of ``bundle.loader`` and/or ``steps`` optimizer
     steps (whichever ends first), and return the final state.
 
@@ -96,7 +97,9 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     (``sw.save(..., blocking=False)``: training goes on while the files are written); the
     last one, at the end or on Ctrl-C, is waited for before ``fit`` returns or re-raises.
     ``report_to`` are loggers too: the ones ``pipe.fit_options`` gives (TrainingArguments'
-    ``report_to``), beside your own ``loggers``.
+    ``report_to``), beside your own ``loggers``. A logger with ``init(config)`` (a tracker:
+    :mod:`shardwise.trackers`) is started once before the first step with ``config``, the
+    run's configuration (``pipe.fit_options`` gives the TrainingArguments).
 
     Each logging step also logs the throughput since the last one, over all ranks and the
     time spent in training steps: ``train/samples_per_s``, ``train/tokens_per_s`` (when
@@ -132,6 +135,9 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
             peak_flops, (int, float)) or not peak_flops > 0 or peak_flops == float("inf")):
         raise ArgumentError(f"fit() 'peak_flops' must be a number > 0 (one device's peak FLOP/s) "
                             f"or None (got {short(peak_flops)})")
+    if config is not None and not isinstance(config, Mapping):
+        raise ArgumentError(f"fit() 'config' must be a mapping of the run's settings or None "
+                            f"(got {type(config).__name__}: {short(config)})")
     if (checkpoint_every is not None or keep_last is not None) and checkpoint_dir is None:
         raise ArgumentError("fit() 'checkpoint_every' and 'keep_last' need a 'checkpoint_dir'")
     if eval_every is not None and eval_fn is None:
@@ -143,6 +149,10 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
         resumable = checkpoint_dir is not None and latest_checkpoint(checkpoint_dir) is not None
         state = load(checkpoint_dir, bundle) if resumable else bundle.init()  # type: ignore[arg-type]
     loggers = list(loggers) if bundle.env.is_main else []
+    for logger in loggers:  # trackers start their run with its configuration
+        start = getattr(logger, "init", None)
+        if callable(start):
+            start(dict(config or {}))
     bar = _bar(bundle, state, steps, progress)
     losses: list[torch.Tensor] = []
     boundary, saved, evaluated = state, -1, -1

@@ -160,7 +160,7 @@ def test_deepspeed_auto_values_take_the_arguments_and_mismatches_name_both(tmp_p
     ({"save_strategy": "epoch"}, r"save_strategy='epoch' .*steps, no \(sw.fit counts"),
     ({"logging_strategy": "epoch"}, r"logging_strategy='epoch'"),
     ({"eval_strategy": "best"}, r"eval_strategy='best'"),
-    ({"report_to": "wandb"}, r"report_to='wandb' .*tensorboard or none"),
+    ({"report_to": "neptune"}, r"report_to='neptune' .*mlflow, tensorboard, trackio, wandb, all, none"),
     ({"learning_rat": 1e-4}, r"unknown argument\(s\) \['learning_rat'\]"),
     ({"bf16": True, "fp16": True}, r"bf16=True and fp16=True; choose one"),
     ({"fsdp": "full_shard", "deepspeed": {}}, r"fsdp and deepspeed are both set"),

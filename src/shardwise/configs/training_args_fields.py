@@ -103,8 +103,10 @@ ARGUMENTS: dict[str, str] = {
     "resume_from_checkpoint": "a notice when set: sw.fit resumes from the newest checkpoint "
                               "in output_dir (for another one, sw.load it and pass state=)",
     "disable_tqdm": "sw.fit(progress=not disable_tqdm)",
-    "report_to": "tensorboard: sw.fit(report_to=[TensorBoardLogger(output_dir/runs)]), beside "
-                 "your own loggers=; none: no loggers; other integrations refused",
+    "report_to": "sw.fit(report_to=[...], config=<the arguments>), beside your own loggers=: "
+                 "tensorboard (TensorBoardLogger(output_dir/runs)), wandb, mlflow, trackio "
+                 "(WandbTracker, MLflowTracker, TrackioTracker), all (those installed), a name "
+                 "register_tracker added; none: no loggers; other names refused",
 }
 
 #: fields with no meaning here: a notice when set to something other than their default

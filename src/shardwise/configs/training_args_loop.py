@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 from shardwise._config_source import Source
@@ -90,22 +89,34 @@ def fit_settings(src: Source, a: dict[str, Any], world: int = 1
     reporting = loggers_of(src, a["report_to"], output)
     if reporting:  # beside any loggers= of the caller's: sw.fit(bundle, loggers=..., **options)
         fit["report_to"] = reporting
+        # what the trackers record as the run's configuration, as the Trainer gives them
+        fit["config"] = {k: v for k, v in a.items()
+                         if isinstance(v, (bool, int, float, str)) or v is None}
     return fit, notes
 
 
 def loggers_of(src: Source, value: Any, output: str) -> list[Any]:
-    from shardwise.loggers import TensorBoardLogger
+    """``report_to``'s trackers, each built by name (:mod:`shardwise.trackers`); ``"all"``
+    is every one whose package is installed, as the Trainer reads it."""
+    from shardwise import trackers
 
     names = [value] if isinstance(value, str) else value
     if names is None:
         return []
+    accepted = f"{', '.join(trackers.names())}, all, none, or a list of those"
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise src.fail("report_to", value, "tensorboard, none, or a list of those")
-    out = []
-    for name in names:
-        if name == "tensorboard":
-            out.append(TensorBoardLogger(str(Path(output) / "runs")))
-        elif name != "none":
-            raise src.fail("report_to", value, "tensorboard or none (other integrations: pass "
-                           "your own logger to sw.fit(loggers=...))")
-    return out
+        raise src.fail("report_to", value, accepted)
+    if "all" in names:
+        names = [n for n in trackers.names() if _installed(n)]
+    unknown = [n for n in names if n != "none" and n not in trackers.names()]
+    if unknown:
+        raise src.fail("report_to", value, accepted + " (register_tracker adds a name)")
+    return [trackers.tracker(n, output) for n in names if n != "none"]
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    package = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
+               "trackio": "trackio"}.get(name)
+    return package is None or importlib.util.find_spec(package) is not None

@@ -18,10 +18,10 @@ def test_ctrl_c_while_a_save_clears_debris_never_leaves_the_root_locked(tmp_path
     bundle = build_lm([], accumulate=1)
     state, _ = train_for(bundle, bundle.init(), 1)
 
-    def interrupted(root):
+    def interrupted(root, names="*"):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("shardwise.checkpoint.save_load.recover", interrupted)
+    monkeypatch.setattr("shardwise.checkpoint.transaction.recover", interrupted)
     with pytest.raises(KeyboardInterrupt):
         sw.save(tmp_path, bundle, state)
     monkeypatch.undo()

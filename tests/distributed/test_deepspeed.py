@@ -275,16 +275,23 @@ def test_the_schedulers_auto_totals_are_the_runs_steps_as_the_trainer_fills_them
         sw.deepspeed(config, epochs=0)
 
 
-def test_deepspeeds_own_scheduler_runs_the_auto_total_from_the_run():
-    pytest.importorskip("deepspeed")
+def own_scheduler_steps():
+    """DeepSpeed's own scheduler, built from the config with its "auto" totals filled (in a
+    process of its own: DeepSpeed starts a process group)."""
     config = {"train_micro_batch_size_per_gpu": "auto", "scheduler": {
         "type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto",
                                             "warmup_max_lr": "auto", "warmup_min_lr": "auto"}}}
     model = _model()
     bundle = sw.pipeline(sw.Env(), sw.deepspeed(config, epochs=2, warmup=0.25))(
         model, torch.optim.AdamW(model.parameters(), lr=1e-3), _loader(4))
-    scheduler = bundle.engine.ds.lr_scheduler  # DeepSpeed's own, built from the filled config
-    assert scheduler.total_num_steps == 16 and scheduler.warmup_num_steps == 4  # 8 batches x 2
+    scheduler = bundle.engine.ds.lr_scheduler
+    return scheduler.total_num_steps, scheduler.warmup_num_steps
+
+
+def test_deepspeeds_own_scheduler_runs_the_auto_total_from_the_run():
+    pytest.importorskip("deepspeed")
+    # 32 samples in batches of 4: 8 optimizer steps an epoch, 2 epochs, a quarter warm-up
+    assert run_distributed(own_scheduler_steps, world_size=1, timeout=180) == [(16, 4)]
 
 
 @pytest.mark.parametrize(("config", "given", "message"), [

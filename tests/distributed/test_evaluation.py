@@ -124,7 +124,7 @@ def test_any_number_of_extra_loaders_are_distributed_and_gathered_exactly():
         assert sorted(labels) == sorted(Labelled(size).y.tolist()) and len(labels) == size
         assert correct == one_process_accuracy(size, 3)[0]
     with pytest.raises(sw.errors.ArgumentError, match="built without one"):
-        sw.pipeline(ONE)(torch.nn.Linear(2, 2), None).distribute([1, 2])
+        sw.Bundle(model=torch.nn.Linear(2, 2), env=ONE).distribute([1, 2])  # built by hand
 
 
 def test_predict_runs_without_gradients_in_eval_mode_at_the_training_precision():

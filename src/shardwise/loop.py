@@ -98,8 +98,9 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     last one, at the end or on Ctrl-C, is waited for before ``fit`` returns or re-raises.
     ``report_to`` are loggers too: the ones ``pipe.fit_options`` gives (TrainingArguments'
     ``report_to``), beside your own ``loggers``. A logger with ``init(config)`` (a tracker:
-    :mod:`shardwise.trackers`) is started once before the first step with ``config``, the
-    run's configuration (``pipe.fit_options`` gives the TrainingArguments).
+    :mod:`shardwise.trackers`) is started once before the first step with the run's
+    configuration: its own ``config`` attribute (the TrainingArguments, for the trackers
+    ``report_to`` built) updated with ``config``.
 
     Each logging step also logs the throughput since the last one, over all ranks and the
     time spent in training steps: ``train/samples_per_s``, ``train/tokens_per_s`` (when
@@ -151,8 +152,8 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     loggers = list(loggers) if bundle.env.is_main else []
     for logger in loggers:  # trackers start their run with its configuration
         start = getattr(logger, "init", None)
-        if callable(start):
-            start(dict(config or {}))
+        if callable(start):  # what the logger was built with (report_to), then config=
+            start({**(getattr(logger, "config", None) or {}), **(config or {})})
     bar = _bar(bundle, state, steps, progress)
     losses: list[torch.Tensor] = []
     boundary, saved, evaluated = state, -1, -1

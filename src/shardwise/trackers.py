@@ -52,6 +52,7 @@ class WandbTracker:
                  **options: Any) -> None:
         self.project, self.run_name, self.options = project, run_name, options
         self.run: Any = None
+        self.config: dict[str, Any] = {}  # recorded with fit's config= (report_to sets it)
 
     def __repr__(self) -> str:
         return f"WandbTracker({self.project!r})"
@@ -88,6 +89,7 @@ class MLflowTracker:
                  tracking_uri: str | None = None) -> None:
         self.experiment, self.run_name, self.tracking_uri = experiment, run_name, tracking_uri
         self.run: Any = None
+        self.config: dict[str, Any] = {}  # recorded with fit's config= (report_to sets it)
 
     def __repr__(self) -> str:
         return f"MLflowTracker({self.experiment!r})"
@@ -131,6 +133,7 @@ class TrackioTracker:
                  **options: Any) -> None:
         self.project, self.run_name, self.options = project, run_name, options
         self.run: Any = None
+        self.config: dict[str, Any] = {}  # recorded with fit's config= (report_to sets it)
 
     def __repr__(self) -> str:
         return f"TrackioTracker({self.project!r})"

@@ -90,7 +90,16 @@ def test_report_to_builds_trackers_by_name_and_one_you_register(tmp_path):
     reporting = pipe.fit_options["report_to"]
     assert [type(r).__name__ for r in reporting] == ["Recording", "MLflowTracker"]
     assert reporting[0].output == str(tmp_path)
-    assert pipe.fit_options["config"]["learning_rate"] == 3e-4  # the run's config for init
+    assert "config" not in pipe.fit_options  # fit(config=..., **fit_options) stays valid
+    assert reporting[0].config["learning_rate"] == 3e-4  # the arguments, recorded at init
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=1)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   DataLoader(SyntheticTokens(size=8, seq_len=8), batch_size=4))
+    recording = reporting[0]
+    sw.fit(bundle, config={"seed": 7},
+           **{**pipe.fit_options, "report_to": [recording], "steps": 1, "progress": False})
+    assert recording.config["learning_rate"] == 3e-4 and recording.config["seed"] == 7
     with pytest.raises(ConfigError, match=r"report_to='neptune' .*recording.*register_tracker"):
         sw.from_training_args({"report_to": "neptune", "output_dir": str(tmp_path)})
     with pytest.raises(ArgumentError, match="'name' must be a non-empty string"):

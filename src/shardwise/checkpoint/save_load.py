@@ -11,9 +11,10 @@ through an allow-list. The steps of loading are in ``restore.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -235,7 +236,7 @@ def _write(bundle: Bundle, tmp: Path, own: str | None, meta: dict[str, Any],
     env = bundle.env
     try:
         if own is None:
-            with dcp_quietly():
+            with dcp_quietly(), _without_zip_crc():
                 dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not joined(env))
         else:
             bundle.engine.save_own(tmp / own)  # a collective; every rank's files written
@@ -243,6 +244,26 @@ def _write(bundle: Bundle, tmp: Path, own: str | None, meta: dict[str, Any],
         return True, "", integrity.digests_of(tmp, env.rank, own)
     except (Exception, CheckpointException) as exc:  # DCP's wraps the rank's OSError
         return False, cause(exc, tmp), {}
+
+
+@contextlib.contextmanager
+def _without_zip_crc() -> Iterator[None]:
+    """torch.save's CRC-32 of each record off while DCP writes a blocking save:
+    ``checksums.json``'s SHA-256 covers every byte, loading does not need it, and it is about
+    a sixth of a small checkpoint's write. torch's switch is process-wide, so a save in the
+    background (user code runs meanwhile) keeps it."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # a torch without the switch: its CRC-32 stays
+        yield
+        return
+    save_config = config.save
+    before = save_config.compute_crc32
+    save_config.compute_crc32 = False
+    try:
+        yield
+    finally:
+        save_config.compute_crc32 = before
 
 
 def _start_async(bundle: Bundle, state: TrainState, root: Path, tmp: Path, final: Path,

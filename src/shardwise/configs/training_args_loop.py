@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -89,9 +90,13 @@ def fit_settings(src: Source, a: dict[str, Any], world: int = 1
     reporting = loggers_of(src, a["report_to"], output)
     if reporting:  # beside any loggers= of the caller's: sw.fit(bundle, loggers=..., **options)
         fit["report_to"] = reporting
-        # what the trackers record as the run's configuration, as the Trainer gives them
-        fit["config"] = {k: v for k, v in a.items()
-                         if isinstance(v, (bool, int, float, str)) or v is None}
+        # what each tracker records as the run's configuration, as the Trainer gives it (a
+        # config= of the caller's to sw.fit is added to it)
+        arguments = {k: v for k, v in a.items()
+                     if isinstance(v, (bool, int, float, str)) or v is None}
+        for logger in reporting:
+            with contextlib.suppress(AttributeError):  # a logger that takes no attribute
+                logger.config = arguments
     return fit, notes
 
 

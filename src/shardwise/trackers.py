@@ -37,7 +37,42 @@ def _plain(config: Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(dict(config), default=str))
 
 
-class WandbTracker:
+class _Tracker:
+    """What the three adapters share: the run (None until :meth:`init`), the configuration
+    ``report_to`` gave, and ``log``/``close`` around each package's own calls."""
+
+    def __init__(self, run_name: str | None) -> None:
+        self.run_name = run_name
+        self.run: Any = None
+        self.config: dict[str, Any] = {}  # recorded with fit's config= (report_to sets it)
+
+    def init(self, config: Mapping[str, Any]) -> None:
+        """Start the run with ``config`` as its configuration."""
+        self.run = self._start(_plain(config))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Record ``metrics`` at ``step`` (the run starts here if ``init`` was not called)."""
+        if self.run is None:
+            self.init({})
+        self._log({k: float(v) for k, v in metrics.items()}, step)
+
+    def close(self) -> None:
+        """End the run, if one started."""
+        if self.run is not None:
+            self._finish()
+            self.run = None
+
+    def _start(self, config: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+
+class WandbTracker(_Tracker):
     """Weights & Biases: ``wandb.init(project, name, config)``, ``run.log(metrics,
     step=step)``, ``run.finish()``. ``options`` go to ``wandb.init`` (``mode="offline"``,
     ``dir=...``, ``entity=...``).
@@ -46,79 +81,63 @@ class WandbTracker:
         >>> sw.fit(bundle, steps=1000, loggers=[sw.WandbTracker("my-project")], config=hparams)
     """
 
-    name = "wandb"
-
     def __init__(self, project: str | None = None, run_name: str | None = None,
                  **options: Any) -> None:
-        self.project, self.run_name, self.options = project, run_name, options
-        self.run: Any = None
-        self.config: dict[str, Any] = {}  # recorded with fit's config= (report_to sets it)
+        super().__init__(run_name)
+        self.project, self.options = project, options
 
     def __repr__(self) -> str:
         return f"WandbTracker({self.project!r})"
 
-    def init(self, config: Mapping[str, Any]) -> None:
-        """Start the run with ``config`` as its configuration."""
+    def _start(self, config: dict[str, Any]) -> Any:
         wandb = _package("wandb", "WandbTracker")
-        self.run = wandb.init(project=self.project, name=self.run_name, config=_plain(config),
-                              **self.options)
+        return wandb.init(project=self.project, name=self.run_name, config=config,
+                          **self.options)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self.run is None:
-            self.init({})
-        self.run.log(dict(metrics), step=step)
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
+    def _finish(self) -> None:
+        self.run.finish()
 
 
-class MLflowTracker:
+class MLflowTracker(_Tracker):
     """MLflow: a run in ``experiment`` (at ``tracking_uri``, e.g. ``file:./mlruns``), the
-    configuration as parameters (values of more than 500 characters cut, as MLflow limits
+    configuration as parameters (100 per call, values cut at 500 characters, as MLflow limits
     them), metrics at their step, the run ended at close.
 
     Example:
         >>> sw.fit(bundle, steps=1000, loggers=[sw.MLflowTracker("exp1")], config=hparams)
     """
 
-    name = "mlflow"
-
     def __init__(self, experiment: str | None = None, run_name: str | None = None,
                  tracking_uri: str | None = None) -> None:
-        self.experiment, self.run_name, self.tracking_uri = experiment, run_name, tracking_uri
-        self.run: Any = None
-        self.config: dict[str, Any] = {}  # recorded with fit's config= (report_to sets it)
+        super().__init__(run_name)
+        self.experiment, self.tracking_uri = experiment, tracking_uri
 
     def __repr__(self) -> str:
         return f"MLflowTracker({self.experiment!r})"
 
-    def init(self, config: Mapping[str, Any]) -> None:
-        """Start the run and record ``config`` as its parameters."""
+    def _start(self, config: dict[str, Any]) -> Any:
         mlflow = _package("mlflow", "MLflowTracker")
         if self.tracking_uri is not None:
             mlflow.set_tracking_uri(self.tracking_uri)
         if self.experiment is not None:
             mlflow.set_experiment(self.experiment)
-        self.run = mlflow.start_run(run_name=self.run_name)
-        params = {k: str(v)[:500] for k, v in _plain(config).items()}
+        run = mlflow.start_run(run_name=self.run_name)
+        params = [(k, str(v)[:500]) for k, v in config.items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 per call
-            mlflow.log_params(dict(list(params.items())[start:start + 100]))
+            mlflow.log_params(dict(params[start:start + 100]))
+        return run
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self.run is None:
-            self.init({})
-        mlflow = _package("mlflow", "MLflowTracker")
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        _package("mlflow", "MLflowTracker").log_metrics(metrics, step=step)
 
-    def close(self) -> None:
-        if self.run is not None:
-            _package("mlflow", "MLflowTracker").end_run()
-            self.run = None
+    def _finish(self) -> None:
+        _package("mlflow", "MLflowTracker").end_run()
 
 
-class TrackioTracker:
+class TrackioTracker(_Tracker):
     """trackio (Hugging Face's local-first tracker): ``trackio.init(project, name, config)``,
     ``trackio.log(metrics, step=step)``, ``trackio.finish()``. ``options`` go to
     ``trackio.init``.
@@ -127,32 +146,24 @@ class TrackioTracker:
         >>> sw.fit(bundle, steps=1000, loggers=[sw.TrackioTracker("my-project")], config=hparams)
     """
 
-    name = "trackio"
-
     def __init__(self, project: str = "shardwise", run_name: str | None = None,
                  **options: Any) -> None:
-        self.project, self.run_name, self.options = project, run_name, options
-        self.run: Any = None
-        self.config: dict[str, Any] = {}  # recorded with fit's config= (report_to sets it)
+        super().__init__(run_name)
+        self.project, self.options = project, options
 
     def __repr__(self) -> str:
         return f"TrackioTracker({self.project!r})"
 
-    def init(self, config: Mapping[str, Any]) -> None:
-        """Start the run with ``config`` as its configuration."""
+    def _start(self, config: dict[str, Any]) -> Any:
         trackio = _package("trackio", "TrackioTracker")
-        self.run = trackio.init(project=self.project, name=self.run_name, config=_plain(config),
-                                **self.options)
+        return trackio.init(project=self.project, name=self.run_name, config=config,
+                            **self.options)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self.run is None:
-            self.init({})
-        _package("trackio", "TrackioTracker").log(dict(metrics), step=step)
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        _package("trackio", "TrackioTracker").log(metrics, step=step)
 
-    def close(self) -> None:
-        if self.run is not None:
-            _package("trackio", "TrackioTracker").finish()
-            self.run = None
+    def _finish(self) -> None:
+        _package("trackio", "TrackioTracker").finish()
 
 
 class _Registry:

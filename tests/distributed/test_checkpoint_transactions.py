@@ -434,6 +434,12 @@ def test_a_named_checkpoint_sits_beside_the_steps_never_pruned_and_loads_by_name
     assert not (tmp_path / ".old.best").exists()
     assert sw.load(tmp_path, fresh, name="best").step == 5
 
+    # in the background too: published under its name, `latest` untouched
+    assert sw.save(tmp_path, bundle, state, name="last-good", blocking=False).result() \
+        == tmp_path / "last-good"
+    assert sw.load(tmp_path, fresh, name="last-good").step == 5
+    assert (tmp_path / "latest").read_text().strip() == "step_00000005"
+
     for bad in ("latest", "step_00000002", "../x", ".hidden", "", 3):
         with pytest.raises(ArgumentError, match="'name' must be"):
             sw.save(tmp_path, bundle, state, name=bad)

@@ -46,3 +46,17 @@ def test_quick_compare_writes_the_rows_it_ran(tmp_path):
     # same model, data and optimizer: the three train alike
     assert row["loss_spread"] < 1e-4
     assert "| ddp | shardwise |" in done.stdout
+
+
+def test_the_gpu_throughput_script_runs_its_cpu_parts():
+    """benchmarks/gpu_throughput.py's rows on a tiny Llama on the CPU (the GPU run needs a
+    device): each row trains and reports tokens/s; no MFU without a known peak."""
+    script = SCRIPT.parent / "gpu_throughput.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--steps", "1",
+                           "--warmup", "1", "--rows", "hand-written", "shardwise", "accelerate"],
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "tokens/s" in line]
+    assert [line.split()[0] for line in lines] == ["hand-written", "shardwise", "accelerate"]
+    assert all(float(line.split()[1]) > 0 and "MFU     -" in line for line in lines)

@@ -37,7 +37,7 @@ from shardwise.checkpoint.layout import (
     write_durably,
 )
 from shardwise.checkpoint.lock import RootLock, acquire
-from shardwise.distributed import all_agree
+from shardwise.distributed import all_agree, from_main
 from shardwise.env import Env
 from shardwise.errors import CheckpointError
 
@@ -77,9 +77,9 @@ def begin(env: Env, root: Path, tmp: Path, names: str = "*") -> RootLock | None:
             except (OSError, CheckpointError) as exc:
                 ok, problem = False, str(exc) if isinstance(exc, CheckpointError) \
                     else describe_os_error(exc)
-        if not all_agree(env, ok):
+        if not all_agree(env, ok):  # every rank names rank 0's reason (another writer, ...)
             raise CheckpointError(f"cannot create checkpoint directory {tmp}: "
-                                  f"{problem or 'failed on rank 0'}")
+                                  f"{from_main(env, problem) or 'failed on rank 0'}")
     except BaseException:  # refused, Ctrl-C, a lost peer: never keep the root locked
         if lock is not None:
             lock.release()

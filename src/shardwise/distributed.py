@@ -236,11 +236,17 @@ def ensure_process_group(env: Env) -> None:
     dist.init_process_group(
         backend=env.backend, store=dist.PrefixStore(f"{scope}/default_pg", store),
         world_size=env.world_size, rank=env.rank, timeout=env.timeout, device_id=device_id)
-    exit_store = dist.PrefixStore(f"{scope}/exit", store)
+    _leave_later(scope, store)
+
+
+def _leave_later(scope: str, store: dist.Store) -> None:
+    """Record the default group as the one to leave at exit (``_shutdown``, registered once
+    per process), its exit barrier and failure reports under ``scope`` in ``store``."""
+    record = _MEMBERSHIP
     record.reports = dist.PrefixStore(f"{scope}/failed", store)
     if record.groups_started == 1:
         atexit.register(_shutdown)
-    record.started = (dist.group.WORLD, exit_store)
+    record.started = (dist.group.WORLD, dist.PrefixStore(f"{scope}/exit", store))
 
 
 def leave_at_exit() -> None:
@@ -256,12 +262,7 @@ def leave_at_exit() -> None:
     from torch.distributed.distributed_c10d import _get_default_store
 
     record.groups_started += 1  # the same count on every rank: the keys match
-    scope = f"shardwise/adopted/{record.groups_started}"
-    store = _get_default_store()
-    record.reports = dist.PrefixStore(f"{scope}/failed", store)
-    if record.groups_started == 1:
-        atexit.register(_shutdown)
-    record.started = (dist.group.WORLD, dist.PrefixStore(f"{scope}/exit", store))
+    _leave_later(f"shardwise/adopted/{record.groups_started}", _get_default_store())
 
 
 def side_group() -> dist.ProcessGroup:

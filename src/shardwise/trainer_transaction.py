@@ -30,7 +30,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardwise.checkpoint.integrity import MANIFEST, digest_in, sealed, verify
+from shardwise.checkpoint.integrity import MANIFEST, digest_in, manifest, verify
 from shardwise.checkpoint.layout import write_durably
 from shardwise.checkpoint.transaction import (
     TMP,
@@ -130,8 +130,7 @@ def _seal(folder: Path) -> dict[str, int]:
                    if not p.is_dir() or p.is_symlink())
     files = {n: digest_in(folder, n) for n in names}
     sizes = {n: (folder / n).stat().st_size for n in names}
-    write_durably(folder / MANIFEST, json.dumps({"files": files, "sealed": sealed(files)},
-                                                indent=1))
+    write_durably(folder / MANIFEST, json.dumps(manifest(files), indent=1))
     return sizes
 
 

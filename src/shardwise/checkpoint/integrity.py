@@ -30,8 +30,8 @@ from shardwise.checkpoint.layout import MANIFEST, META, RNG, open_regular, read_
 from shardwise.env import Env
 from shardwise.errors import CheckpointError
 
-__all__ = ["MANIFEST", "Written", "digests_of", "merged", "gather_written", "manifest_of", "required",
-           "verify", "digest_in", "sealed"]
+__all__ = ["MANIFEST", "Written", "digests_of", "manifest", "merged", "gather_written",
+           "manifest_of", "required", "verify", "digest_in", "sealed"]
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -87,6 +87,11 @@ def sealed(files: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
+def manifest(files: dict[str, str]) -> dict[str, Any]:
+    """``checksums.json``'s content for these file digests: the files and their seal."""
+    return {"files": files, "sealed": sealed(files)}
+
+
 def merged(parts: list[Any]) -> Written:
     """The ranks' reports as one (each a mapping of name -> (digest, size), as sent)."""
     every: Written = {}
@@ -128,7 +133,7 @@ def manifest_of(root: Path, world_size: int, written: Written,
         raise OSError(f"{root / missing[0]} is needed by the checkpoint but was not written "
                       f"({len(missing)} file(s) missing: {', '.join(missing[:5])})")
     files = {name: written[name][0] for name in sorted(needed)}
-    return {"files": files, "sealed": sealed(files)}, {n: written[n][1] for n in needed}
+    return manifest(files), {n: written[n][1] for n in needed}
 
 
 def _plain(name: Any) -> bool:

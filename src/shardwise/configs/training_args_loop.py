@@ -120,8 +120,9 @@ def loggers_of(src: Source, value: Any, output: str) -> list[Any]:
 
 
 def _installed(name: str) -> bool:
+    """Whether a built-in tracker's package (named as the tracker) is installed; a
+    registered one counts as installed."""
     import importlib.util
 
-    package = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
-               "trackio": "trackio"}.get(name)
-    return package is None or importlib.util.find_spec(package) is not None
+    built_in = ("tensorboard", "wandb", "mlflow", "trackio")
+    return name not in built_in or importlib.util.find_spec(name) is not None

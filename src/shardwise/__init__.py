@@ -48,6 +48,7 @@ PUBLIC: dict[str, str] = {
     **dict.fromkeys(["checkpoint_activations"], "shardwise.transforms.activation_checkpointing"),
     **dict.fromkeys(["clip_gradients"], "shardwise.transforms.clipping"),
     **dict.fromkeys(["compile"], "shardwise.transforms.compile_blocks"),
+    **dict.fromkeys(["context_parallel"], "shardwise.transforms.context_parallelism"),
     **dict.fromkeys(["deepspeed"], "shardwise.deepspeed_engine.transform"),
     **dict.fromkeys(["distribute_data"], "shardwise.transforms.data_distribution"),
     **dict.fromkeys(["local_sgd"], "shardwise.transforms.replica_averaging"),

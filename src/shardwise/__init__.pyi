@@ -49,6 +49,7 @@ from shardwise.transforms.activation_checkpointing import checkpoint_activations
 from shardwise.transforms.base import Transform as Transform
 from shardwise.transforms.clipping import clip_gradients as clip_gradients
 from shardwise.transforms.compile_blocks import compile as compile
+from shardwise.transforms.context_parallelism import context_parallel as context_parallel
 from shardwise.transforms.data_distribution import distribute_data as distribute_data
 from shardwise.transforms.offloading import offload as offload
 from shardwise.transforms.optimizer_sharding import shard_optimizer as shard_optimizer
@@ -87,6 +88,7 @@ __all__ = [
     "checkpoint_activations",
     "clip_gradients",
     "compile",
+    "context_parallel",
     "deepspeed",
     "detect",
     "distribute_data",

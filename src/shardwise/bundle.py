@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from shardwise._text import short
+from shardwise.context_split import ContextSplit
 from shardwise.engines import Engine, LocalEngine
 from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError
@@ -61,6 +62,9 @@ class Bundle:
     mesh: Any = None
     """The pipeline's ``DeviceMesh`` with named dimensions (``dp_replicate``, ``dp_shard``,
     ``tp``) when ``tensor_parallel`` is in it, else None (``shard()`` builds its own)."""
+    context: ContextSplit | None = attrs.field(default=None, repr=False, eq=False)
+    """This rank's slice of every sequence under :func:`shardwise.context_parallel` (the step
+    and :meth:`predict` split batches with it), else None."""
     distributor: Callable[[Any], Any] | None = attrs.field(default=None, repr=False, eq=False)
     """How :func:`shardwise.distribute_data` distributed the loaders (what
     :meth:`distribute` applies to another one); None before it ran."""
@@ -98,14 +102,16 @@ class Bundle:
         training uses under this bundle's engine (autocast, or FSDP2's parameter casting).
 
         The batch is passed as in :meth:`step` (``model(**batch)`` for a mapping,
-        ``model(*batch)`` for a tuple or list). Train mode is restored afterwards.
+        ``model(*batch)`` for a tuple or list). Train mode is restored afterwards. Under
+        ``context_parallel`` each rank runs its slice and every rank gets the whole output
+        (sequence dimension gathered; ``loss`` the mean over the batch's labelled tokens).
 
         Example:
             >>> for batch in bundle.eval_loader:
             ...     logits = bundle.predict(batch)["logits"]
         """
         return predict(self.model, batch, precision=self.plan.precision, env=self.env,
-                       engine=self.engine, move=self.loader is None)
+                       engine=self.engine, move=self.loader is None, context=self.context)
 
     def init(self) -> TrainState:
         """A fresh :class:`TrainState` at step 0."""
@@ -157,4 +163,4 @@ class Bundle:
         """Derived from the fields alone and holding no progress, so caching it is safe."""
         return Stepper(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                        scaler=self.scaler, loss_fn=self.loss_fn, loader=self.loader,
-                       env=self.env, plan=self.plan, engine=self.engine)
+                       env=self.env, plan=self.plan, engine=self.engine, context=self.context)

@@ -57,9 +57,23 @@ def describe(env: Env, steps: list[tuple[Transform, str | None]], *, choose_dist
 def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
     """The mesh, its dimensions and why, when the pipeline has more than one."""
     mesh = mesh_layout_of(env, transforms)
-    if mesh is None or "tp" not in dict(mesh.dims):  # data dimensions alone: said by shard()
+    if mesh is None or mesh.copies == 1:  # data dimensions alone: said by shard()
         return []
     data = mesh.data_ranks(env.world_size)
+    if mesh.tp == 1:
+        return [f"  mesh: {mesh.describe()} over {env.world_size} ranks; cp innermost: the "
+                f"{mesh.cp} ranks of a context-parallel group are consecutive and read the same "
+                f"batch ({data} share(s) of each global batch, rank r reads share r // "
+                f"{mesh.cp}); gradients are reduced over all {env.world_size} ranks",
+                # where shardwise deliberately differs from Accelerate, it says so
+                "  context parallel: labels are shifted before the sequence is cut (done for "
+                "you; Accelerate leaves it to the script), attention runs causally over whole "
+                "sequences (right padding only), and the loss is the token sum over the "
+                "accumulation window and all ranks divided by its labelled tokens (as "
+                "Transformers' Trainer weighs tokens; a step without context_parallel "
+                "averages each micro-batch's own mean); bundle.predict returns whole-sequence outputs on every rank and "
+                f"sw.gather_for_metrics keeps each group's once; sw.reduce(x, 'sum') counts "
+                f"each group's value {mesh.cp} times"]
     return [f"  mesh: {mesh.describe()} over {env.world_size} ranks; tp innermost: the "
             f"{mesh.tp} ranks of a tensor-parallel group are consecutive (on one node), as "
             "their collectives run in every layer; data split over "

@@ -1,5 +1,6 @@
 # The device mesh of a pipeline: its named dimensions, their sizes, and each rank's place in them.
-"""One DeviceMesh per pipeline, with named dimensions (``dp_replicate``, ``dp_shard``, ``tp``).
+"""One DeviceMesh per pipeline, with named dimensions (``dp_replicate``, ``dp_shard``, ``cp``,
+``tp``).
 
 The layout is decided here and nowhere else: each transform declares the dimensions it runs
 on (:meth:`~shardwise.transforms.base.Transform.mesh_dims`: ``shard()`` the data dimensions,
@@ -7,7 +8,9 @@ on (:meth:`~shardwise.transforms.base.Transform.mesh_dims`: ``shard()`` the data
 out), the pipeline builds the one mesh, and the transforms, the data split, the memory
 estimate and ``explain()`` ask it by name. ``tp`` is the innermost dimension, so the ranks
 of one tensor-parallel group are consecutive, on one node when a node holds a multiple of the
-group (their collectives run every layer, the data dimensions' once per step).
+group (their collectives run every layer, the data dimensions' once per step); ``cp``
+(context parallel: each rank a slice of every sequence, an exchange around every attention)
+is next. The ranks of one ``cp x tp`` block read the same batch.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from shardwise.errors import EnvError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MeshLayout", "layout", "layout_of", "tp_size", "build"]
+__all__ = ["MeshLayout", "layout", "layout_of", "tp_size", "build", "batch_copies", "data_mesh"]
 
 
 @attrs.frozen
@@ -46,18 +49,28 @@ class MeshLayout:
         return self.size("tp")
 
     @property
+    def cp(self) -> int:
+        """Ranks each context-parallel group spans (each holds a slice of every sequence)."""
+        return self.size("cp")
+
+    @property
+    def copies(self) -> int:
+        """Ranks that read each batch: one context- and tensor-parallel block (``cp x tp``)."""
+        return self.cp * self.tp
+
+    @property
     def data_names(self) -> tuple[str, ...]:
         """The data-parallel dimensions, outermost first."""
         return tuple(name for name, _ in self.dims if name.startswith("dp_"))
 
     def data_ranks(self, world_size: int) -> int:
-        """Ranks that read different batches: the world over the tensor-parallel groups."""
-        return world_size // self.tp
+        """Ranks that read different batches: the world over the ``cp x tp`` blocks."""
+        return world_size // self.copies
 
     def data_rank(self, rank: int) -> int:
-        """Which batch share ``rank`` reads: the ranks of one tensor-parallel group (consecutive,
-        ``tp`` innermost) read the same one."""
-        return rank // self.tp
+        """Which batch share ``rank`` reads: the ranks of one ``cp x tp`` block (consecutive,
+        ``cp`` and ``tp`` innermost) read the same one."""
+        return rank // self.copies
 
     def describe(self) -> str:
         """``dp_shard=2 x tp=2``."""
@@ -70,9 +83,10 @@ def tp_size(env: Env, asked: int | None) -> int:
 
 
 def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
-           asked: str | None = None, with_tp: bool = True) -> MeshLayout:
-    """The mesh for ``env`` with tensor-parallel groups of ``tp`` ranks, the rest data
-    parallel (replicated across nodes and sharded within one, when asked).
+           asked: str | None = None, with_tp: bool = True, cp: int | None = None) -> MeshLayout:
+    """The mesh for ``env`` with tensor-parallel groups of ``tp`` ranks (and context-parallel
+    groups of ``cp``), the rest data parallel (replicated across nodes and sharded within
+    one, when asked).
 
     Args:
         env: the ranks.
@@ -80,6 +94,7 @@ def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
         replicate_across_nodes: a ``dp_replicate`` dimension of one replica per node.
         asked: how the size was asked for, for messages (default ``size=<tp>``).
         with_tp: a ``tp`` dimension (of size ``tp``); without one, the data dimensions only.
+        cp: ranks per context-parallel group: a ``cp`` dimension (None: none).
 
     Raises:
         EnvError: the world (or a node) does not divide into the groups asked for.
@@ -93,22 +108,30 @@ def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
         raise EnvError(f"tensor_parallel({asked or f'size={tp}'}) must divide the world size {world} (the "
                        "ranks left over form the data-parallel dimensions); launch a multiple "
                        f"of {tp} processes, or pass a size that divides {world}")
+    block = tp * (cp or 1)
+    if cp is not None and (cp < 1 or world % block):
+        raise EnvError(f"context_parallel(size={cp}) x tensor_parallel(size={tp}) must divide "
+                       f"the world size {world} (the ranks left over form the data-parallel "
+                       f"dimensions); launch a multiple of {block} processes, or pass sizes "
+                       f"whose product divides {world}")
     dims: list[tuple[str, int]] = []
     if replicate_across_nodes:
         per_node = env.local_world_size
-        if env.num_nodes * per_node != world or per_node % tp or \
+        if env.num_nodes * per_node != world or per_node % block or \
                 env.rank != env.node_rank * per_node + env.local_rank:
             raise EnvError(
                 f"a mesh replicated across nodes (shard(replicate_across_nodes=True)) needs the "
                 f"same number of ranks on every node, numbered node by node, a multiple of the "
                 f"tensor-parallel size (got world_size={world}, num_nodes={env.num_nodes}, "
                 f"local_world_size={per_node}, rank={env.rank}, node_rank={env.node_rank}, "
-                f"local_rank={env.local_rank}, tp={tp}); launch an equal number of processes "
+                f"local_rank={env.local_rank}, tp={tp}, cp={cp or 1}); launch an equal number of processes "
                 "per node, or pass shard() a mesh of your own")
         dims.append(("dp_replicate", env.num_nodes))
-        dims.append(("dp_shard", per_node // tp))
+        dims.append(("dp_shard", per_node // block))
     else:
-        dims.append(("dp_shard", world // tp))
+        dims.append(("dp_shard", world // block))
+    if cp is not None:
+        dims.append(("cp", cp))
     if with_tp:
         dims.append(("tp", tp))
     return MeshLayout(tuple(dims))
@@ -127,8 +150,31 @@ def layout_of(env: Env, transforms: Iterable[Any]) -> MeshLayout | None:
     tp = tp_size(env, asked.get("tp")) if with_tp else 1
     how = None if asked.get("tp") is not None or not with_tp else \
         f"size=None: the {env.local_world_size} ranks of a node"
+    cp = None
+    if "cp" in asked:  # None: the ranks of a node the tensor-parallel groups leave
+        cp = asked["cp"] if asked["cp"] is not None else max(1, env.local_world_size // tp)
     return layout(env, tp=tp, replicate_across_nodes="dp_replicate" in asked, asked=how,
-                  with_tp=with_tp)
+                  with_tp=with_tp, cp=cp)
+
+
+def batch_copies(env: Env, transforms: Iterable[Any]) -> int:
+    """Ranks that read each batch under ``transforms``: one ``cp x tp`` block of their mesh
+    (1 in one process or without either dimension). The one answer the data split, the
+    step's same-batch check and the throughput meter share."""
+    mesh = layout_of(env, [t for t in transforms if t is not None])
+    return mesh.copies if mesh is not None else 1
+
+
+def data_mesh(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
+    """The part of ``mesh`` that FSDP2 shards over: its data dimensions ``dims``, with ``cp``
+    folded into the innermost one (the ranks of a context-parallel group hold one replica
+    of the parameters, like data ranks: their gradients are reduced together)."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names:
+        return mesh if names == dims else mesh[dims]
+    inner = f"{dims[-1]}_cp"
+    flat = mesh[(dims[-1], "cp")]._flatten(inner)
+    return flat if len(dims) == 1 else mesh[tuple([*dims[:-1], inner])]
 
 
 def build(env: Env, mesh: MeshLayout) -> DeviceMesh:

@@ -36,6 +36,8 @@ class Plan:
         offload: parameters, gradients and the optimizer step live on the CPU (needs shard).
         tensor_parallel: the ``tensor_parallel`` transform, whose size and plan the data
             split, ``shard()`` and the memory estimate read (None: no tensor parallelism).
+        context_parallel: the ``context_parallel`` transform, whose size the data split and
+            ``shard()`` read (None: whole sequences on every rank).
         local_sgd_every: local SGD: gradients stay on each rank and the replicas' parameters
             are averaged every this many optimizer steps (None: gradients averaged each step).
         applied: the transforms applied so far, in order.
@@ -49,5 +51,12 @@ class Plan:
     on_nonfinite: OnNonFinite = "raise"
     offload: bool = False
     tensor_parallel: Any = None
+    context_parallel: Any = None
     local_sgd_every: int | None = None
     applied: tuple[Any, ...] = ()
+
+    @property
+    def splitting(self) -> tuple[Any, ...]:
+        """The transforms that give several ranks one batch (``tensor_parallel``,
+        ``context_parallel``), those in the plan: what the mesh's ``cp x tp`` block is."""
+        return tuple(t for t in (self.tensor_parallel, self.context_parallel) if t is not None)

@@ -12,12 +12,14 @@ import torch
 import torch.distributed as dist
 
 from shardwise import precision as precisions
+from shardwise.context_split import ContextSplit
 from shardwise.data import DeviceLoader, same_batch, to_device
 from shardwise.distributed import collective_failure
 from shardwise.engines.base import Engine
 from shardwise.engines.step_hooks import Micro, StepRun, WindowEnd, call_model, nonfinite_text
 from shardwise.env import Env
 from shardwise.errors import NonFiniteError, OptimizerError
+from shardwise.mesh import batch_copies
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
 from shardwise.throughput import batch_counts
@@ -33,19 +35,21 @@ def forward_autocast(engine: Engine, precision: precisions.Precision, device: to
 
 
 def predict(model: torch.nn.Module, batch: Any, *, precision: precisions.Precision, env: Env,
-            engine: Engine, move: bool = False) -> Any:
-    """The model's output without gradients, in eval mode, at the training precision."""
+            engine: Engine, move: bool = False, context: ContextSplit | None = None) -> Any:
+    """The model's output without gradients, in eval mode, at the training precision (under
+    context parallelism: each rank its slice, the outputs gathered whole)."""
     if move and env.device.type != "cpu":
         batch = to_device(batch, env.device)
     autocast = forward_autocast(engine, precision, env.device)
+    run = call_model if context is None else context.predict
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             if autocast is None:
-                return call_model(model, batch)
+                return run(model, batch)
             with autocast():
-                return call_model(model, batch)
+                return run(model, batch)
     finally:
         model.train(was_training)
 
@@ -63,21 +67,28 @@ class Stepper:
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  scheduler: Any, scaler: torch.amp.GradScaler | None, loss_fn: LossFn | None,
-                 loader: Any, env: Env, plan: Plan, engine: Engine) -> None:
+                 loader: Any, env: Env, plan: Plan, engine: Engine,
+                 context: ContextSplit | None = None) -> None:
         if optimizer is None:
             raise OptimizerError("step() needs an optimizer: pass one to the pipeline call")
         params = [p for g in optimizer.param_groups for p in g["params"]]
         # gradients arrive averaged over the ranks a wrapper synchronises; the ranks of a
-        # tensor-parallel group (copies) read the same batch, so counts summed over all
-        # ranks hold each batch that often
+        # tensor-parallel group read the same batch, so counts summed over all ranks hold
+        # each batch that often (a context-parallel group's ranks count their own slices)
         joined = dist.is_initialized()
         copies = engine.batch_copies(env) if joined else 1
+        if context is not None:  # each rank the loss of its slice, as a (sum, count)
+            user = loss_fn
+
+            def loss_fn(model: torch.nn.Module, batch: Any) -> Any:
+                return context.loss(model, batch, user)
         self.run = StepRun(
             model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
             loss_fn=loss_fn, plan=plan, env=env,
             autocast=forward_autocast(engine, plan.precision, env.device), params=params,
             param_device=engine.local(params[0]).device if params else env.device,
-            copies=copies, synced=engine.gradient_ranks(env) * copies if joined else 1)
+            copies=batch_copies(env, plan.splitting) if joined else 1,
+            synced=engine.gradient_ranks(env) * copies if joined else 1)
         self.engine = engine
         self.loader = loader if isinstance(loader, DeviceLoader) else None
         # batches per epoch of bundle.loader (None: unknown, no epoch ends are seen)
@@ -152,7 +163,7 @@ class Stepper:
         if self.move:
             batch = to_device(batch, run.env.device)
         if run.copies > 1 and state.micro_step == 0:
-            run.phase = "checking the first batch across a tensor-parallel group"
+            run.phase = "checking the first batch across a tensor- or context-parallel group"
             with self.naming_failures(state, micro.index):
                 same_batch(batch, run.copies, run.env.device)
         # the rate this call's update uses: read before the scheduler steps at the window's end

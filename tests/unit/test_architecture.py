@@ -427,6 +427,20 @@ def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
     assert layout.dims == (("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))
     assert layout_of(sw.Env(world_size=4, local_world_size=4),
                              [sw.shard()]).dims == (("dp_shard", 4),)
+    # cp sits inside the data dimensions, tp innermost: one cp x tp block reads one batch
+    cp = layout_of(sw.Env(world_size=8, local_world_size=8),
+                   [sw.shard(), sw.context_parallel(size=2)])
+    assert cp.dims == (("dp_shard", 4), ("cp", 2))
+    assert (cp.copies, cp.data_ranks(8), [cp.data_rank(r) for r in range(4)]) == (2, 4, [0, 0, 1, 1])
+    from shardwise.errors import EnvError
+    from shardwise.mesh import batch_copies, layout
+
+    assert batch_copies(sw.Env(world_size=8, local_world_size=8), [sw.context_parallel(size=4)]) == 4
+    assert batch_copies(sw.Env(), [sw.context_parallel(size=4)]) == 1  # one process
+    assert layout(sw.Env(world_size=8, local_world_size=8), tp=2, cp=2).dims == (
+        ("dp_shard", 2), ("cp", 2), ("tp", 2))
+    with pytest.raises(EnvError, match="context_parallel\\(size=3\\)"):
+        layout_of(sw.Env(world_size=4, local_world_size=4), [sw.context_parallel(size=3)])
 
 
 def test_the_test_tiers_are_visible_in_the_layout():

@@ -61,8 +61,8 @@ class StepRun:
     params: list[torch.Tensor]
     #: where the optimizer updates (the CPU under offload): the flag it takes must be there
     param_device: torch.device
-    #: ranks that read each batch (a tensor-parallel group), and the ranks the step's
-    #: collectives run over (gradient ranks × copies)
+    #: ranks that read each batch (a cp x tp block: checked at the first step), and the
+    #: ranks the step's collectives run over (gradient ranks × tensor-parallel copies)
     copies: int
     synced: int
     units: dict[torch.device, torch.Tensor] = attrs.Factory(dict)

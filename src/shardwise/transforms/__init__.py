@@ -13,6 +13,7 @@ from shardwise.transforms.activation_checkpointing import (
 from shardwise.transforms.base import Stage, Transform
 from shardwise.transforms.clipping import ClipGradients, clip_gradients
 from shardwise.transforms.compile_blocks import Compile, compile
+from shardwise.transforms.context_parallelism import ContextParallel, context_parallel
 from shardwise.transforms.data_distribution import DistributeData, distribute_data
 from shardwise.transforms.offloading import Offload, offload
 from shardwise.transforms.optimizer_sharding import ShardOptimizer, shard_optimizer
@@ -24,11 +25,12 @@ from shardwise.transforms.sharding import Shard, shard
 from shardwise.transforms.tensor_parallelism import TensorParallel, tensor_parallel
 
 __all__ = [
-    "AccumulateGradients", "CheckpointActivations", "ClipGradients", "Compile", "DistributeData",
+    "AccumulateGradients", "CheckpointActivations", "ClipGradients", "Compile", "ContextParallel",
+    "DistributeData",
     "LocalSGD", "MixedPrecision", "Offload", "Place", "Replicate", "Shard", "ShardOptimizer", "Stage",
     "TensorParallel",
     "Transform",
-    "accumulate_gradients", "checkpoint_activations", "clip_gradients", "compile",
+    "accumulate_gradients", "checkpoint_activations", "clip_gradients", "compile", "context_parallel",
     "distribute_data", "local_sgd",
     "mixed_precision", "offload", "place", "replicate", "shard", "shard_optimizer",
     "tensor_parallel",

@@ -89,17 +89,17 @@ class DistributeData(Transform):
 
     @staticmethod
     def mesh(env: Env, plan: Plan) -> MeshLayout | None:
-        """The mesh whose data ranks split the data: a tensor-parallel one (else None: all
-        ranks read different shares)."""
-        tensor = plan.tensor_parallel
-        return layout_of(env, [tensor]) if tensor is not None else None
+        """The mesh whose data ranks split the data: a tensor- or context-parallel one (else
+        None: all ranks read different shares)."""
+        return layout_of(env, plan.splitting) if plan.splitting else None
 
     def describe_in(self, env: Env, plan: Plan) -> str:
         mesh = self.mesh(env, plan)
         if mesh is None:
             return self.describe(env)
-        copies, shares = mesh.tp, mesh.data_ranks(env.world_size)
-        return (f"DistributedSampler over the {shares} data ranks: each tensor-parallel group "
+        copies, shares = mesh.copies, mesh.data_ranks(env.world_size)
+        block = " x ".join(f"{name}={size}" for name, size in mesh.dims if name in ("cp", "tp"))
+        return (f"DistributedSampler over the {shares} data ranks: each {block} block "
                 f"of {copies} reads the same 1/{shares} (checked at the first step), seed "
                 f"{self.seed}, set_epoch every epoch; {self._move(env)}")
 

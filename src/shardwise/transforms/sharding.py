@@ -17,7 +17,7 @@ from shardwise.distributed import ensure_process_group
 from shardwise.engines import Engine, FSDPEngine, LocalEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import MeshLayout, layout_of
+from shardwise.mesh import MeshLayout, data_mesh, layout_of
 from shardwise.mesh import build as build_mesh
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
 from shardwise.plan import Plan
@@ -85,7 +85,7 @@ class Shard(Distribution):
 
     def _layout(self, env: Env, plan: Plan) -> MeshLayout | None:
         """The pipeline's mesh for this shard() and the plan's tensor_parallel, if any."""
-        return layout_of(env, [self, *([plan.tensor_parallel] if plan.tensor_parallel else [])])
+        return layout_of(env, [self, *plan.splitting])
 
     def engine(self, env: Env, plan: Plan) -> Engine:
         """The engine this transform puts in the bundle (settings only, nothing is built)."""
@@ -122,7 +122,7 @@ class Shard(Distribution):
             raise ConflictError(f"{self!r}: the bundle's mesh has dimensions {names}, not "
                                 f"{dims}; pass tensor_parallel and shard to one sw.pipeline(...), "
                                 "which builds the mesh for both")
-        return mesh if names == dims else mesh[dims]
+        return data_mesh(mesh, dims)
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)

@@ -1,0 +1,181 @@
+# ContextSplit: one rank's slice of every sequence, its token-weighted loss and the whole outputs.
+"""What ``context_parallel`` does to batches, losses, outputs and attention on one rank.
+
+Every rank of a context-parallel group is given the same batch (checked at the first step).
+:meth:`ContextSplit.split` cuts rank r's contiguous r-th of every sequence out of it, with
+what a slice needs to mean the same as in the whole sequence: position ids of the whole
+sequence, labels shifted *before* the cut (the last token of a slice predicts the first of
+the next rank's), no padding mask (attention is causal over the whole sequence; right
+padding carries ``-100`` labels, so it changes no loss). The loss of a slice is a sum with
+its count of labelled tokens, which the step weighs across the ranks of the group, the
+accumulation window and the data ranks as it weighs any ``(loss_sum, num_items)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from shardwise.engines.step_hooks import call_model
+from shardwise.errors import ConflictError, LossError
+from shardwise.ulysses import Attend, sequence_slice, ulysses_attention
+
+__all__ = ["ContextSplit", "IGNORE", "REGISTRY_NAME"]
+
+#: the label that marks a position no loss is computed for (Transformers' and torch's default)
+IGNORE = -100
+#: the name shardwise's attention function is registered under in Transformers' registry
+REGISTRY_NAME = "shardwise_context_parallel"
+
+
+def _sequence_length(batch: Mapping[str, Any]) -> int:
+    for key in ("input_ids", "inputs_embeds", "labels"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.ndim >= 2:
+            return int(value.shape[1])
+    raise ConflictError(f"context_parallel splits sequences along dim 1 of 'input_ids' (or "
+                        f"'inputs_embeds' / 'labels'); this batch has none (keys: "
+                        f"{sorted(map(str, batch))})")
+
+
+def _check_padding(mask: torch.Tensor) -> None:
+    """Accept an attention mask of ones, or ones then zeros in each row (right padding)."""
+    if mask.ndim != 2:
+        raise ConflictError(f"context_parallel handles a 2-D padding mask [batch, sequence] only; "
+                            f"got an attention_mask of shape {tuple(mask.shape)} (a custom "
+                            "mask cannot be split with the sequence)")
+    ones = mask != 0
+    # right padding: once a row has a zero, it has no one after it
+    if bool((ones[:, 1:] & ~ones[:, :-1]).any()):
+        raise ConflictError("context_parallel attends causally over whole sequences, which is "
+                            "exact for right padding only; this attention_mask has a zero before "
+                            "a one (left padding, or packed documents): pad on the right "
+                            "(tokenizer.padding_side = 'right')")
+
+
+@attrs.frozen
+class ContextSplit:
+    """One rank's place in a context-parallel group, and what it does with a batch.
+
+    Attributes:
+        group: the group's process group.
+        rank: this rank's place in it (its slice of every sequence).
+        size: ranks in the group.
+        method: "ulysses".
+    """
+
+    group: Any = attrs.field(eq=False, repr=False)
+    rank: int
+    size: int
+    method: str = "ulysses"
+
+    def split(self, batch: Any) -> dict[str, Any]:
+        """This rank's slice of ``batch`` (a mapping): every ``[batch, sequence, ...]`` tensor
+        sliced along the sequence, ``position_ids`` of the whole sequence, ``labels`` and
+        ``shift_labels`` both the next token's label (shifted before the cut, ``-100`` at each
+        sequence's end), no ``attention_mask`` (checked to be right padding).
+
+        Raises:
+            ConflictError: not a mapping, a sequence length the size does not divide (named),
+                a mask other than right padding.
+        """
+        if not isinstance(batch, Mapping):
+            raise ConflictError(f"context_parallel splits mapping batches (input_ids, labels, "
+                                f"...); got a {type(batch).__name__}")
+        length = _sequence_length(batch)
+        if length % self.size:
+            raise ConflictError(f"context_parallel(size={self.size}) splits each sequence into "
+                                f"{self.size} equal slices; got sequence length {length}, which "
+                                f"{self.size} does not divide: pad to a multiple of {self.size}")
+        out = {k: v for k, v in batch.items() if k not in ("attention_mask", "shift_labels")}
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            _check_padding(mask)
+        labels = batch.get("shift_labels", batch.get("labels"))
+        if isinstance(labels, torch.Tensor) and "shift_labels" not in batch:
+            labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], 1)
+        reference = batch.get("input_ids", batch.get("inputs_embeds"))
+        if "position_ids" not in out and isinstance(reference, torch.Tensor):
+            out["position_ids"] = torch.arange(length, device=reference.device).expand(
+                reference.shape[0], length)
+        for key, value in list(out.items()):
+            if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == length:
+                out[key] = sequence_slice(value, self.rank, self.size).contiguous()
+        if isinstance(labels, torch.Tensor):
+            out["labels"] = out["shift_labels"] = sequence_slice(labels, self.rank,
+                                                                self.size).contiguous()
+        return out
+
+    def loss(self, model: torch.nn.Module, batch: Any,
+             loss_fn: Callable[[torch.nn.Module, Any], Any] | None) -> tuple[torch.Tensor, Any]:
+        """``(loss_sum, labelled tokens)`` of this rank's slice: the user's ``loss_fn`` on the
+        sliced batch, or the model's own loss (a Transformers model given ``shift_labels``
+        and ``num_items_in_batch=1``, which makes it a sum).
+
+        Raises:
+            LossError: ``loss_fn`` returned a plain loss, or the batch has no labels.
+        """
+        part = self.split(batch)
+        if loss_fn is not None:
+            result = loss_fn(model, part)
+            if not isinstance(result, tuple):
+                raise LossError("under context_parallel loss_fn must return (loss_sum, "
+                                "num_tokens) for its slice of the sequences (batch['labels'] are "
+                                "already shifted: do not shift them again), so that the step "
+                                "weighs each token once; it returned a plain loss")
+            return result
+        labels = part.get("labels")
+        if not isinstance(labels, torch.Tensor):
+            raise LossError("context_parallel computes the model's loss from the batch's "
+                            "'labels', which this batch lacks; add them, or pass loss_fn "
+                            "returning (loss_sum, num_tokens)")
+        out = call_model(model, {**part, "num_items_in_batch": 1})
+        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if not isinstance(loss, torch.Tensor):
+            raise LossError("context_parallel found no loss in the model's output (it passes "
+                            "labels, shift_labels and num_items_in_batch=1, as Transformers' "
+                            "causal LMs take them); pass loss_fn returning (loss_sum, num_tokens)")
+        return loss, (labels != IGNORE).sum()
+
+    def predict(self, model: torch.nn.Module, batch: Any) -> Any:
+        """The model's output for the whole batch, on every rank of the group: each rank runs
+        its slice, the outputs' sequence dimension is gathered, and ``loss`` is the mean over
+        the whole batch's labelled tokens (each counted once)."""
+        part = self.split(batch)
+        labels = part.get("labels")
+        if isinstance(labels, torch.Tensor):
+            part["num_items_in_batch"] = 1
+        out = call_model(model, part)
+        local = part[next(k for k in ("input_ids", "inputs_embeds", "labels") if k in part)]
+        length = int(local.shape[1])
+        if isinstance(out, torch.Tensor):
+            return self._whole(out, length)
+        if isinstance(out, Mapping):
+            for key, value in list(out.items()):
+                if key == "loss" and isinstance(labels, torch.Tensor):
+                    pair = torch.stack([value.detach().double(),
+                                        (labels != IGNORE).sum().to(value.device, torch.float64)])
+                    dist.all_reduce(pair, group=self.group)
+                    out[key] = (pair[0] / pair[1]).to(value.dtype)  # type: ignore[index]
+                elif isinstance(value, torch.Tensor):
+                    out[key] = self._whole(value, length)  # type: ignore[index]
+        return out
+
+    def _whole(self, value: torch.Tensor, length: int) -> torch.Tensor:
+        """``value`` with its sequence dimension (dim 1, this rank's slice) gathered whole."""
+        if value.ndim < 2 or value.shape[1] != length:
+            return value
+        parts = [torch.empty_like(value) for _ in range(self.size)]
+        dist.all_gather(parts, value.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attend: Attend) -> torch.Tensor:
+        """Attention over whole sequences for this rank's slices of ``query``, ``key`` and
+        ``value`` (``[batch, heads, slice, head_dim]``): ``attend`` runs on whole sequences
+        (the hook for a model outside Transformers' registry)."""
+        return ulysses_attention(query, key, value, attend, self.group)

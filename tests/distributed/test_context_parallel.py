@@ -1,0 +1,190 @@
+# context_parallel() on real gloo ranks: cp=2, cp=4 and dp_shard=2 x cp=2 against one process.
+"""A tiny Transformers Llama with per-sample prompt masks and right padding, trained 4
+optimizer steps (accumulation 2, clipping) with each sequence split across a context-parallel
+group, must match one process on the same global batches; its evaluation loss, token accuracy
+and gathered logits must too."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+import shardwise as sw
+from shardwise.errors import ConflictError
+from shardwise.testing import full_state, max_param_diff, run_distributed
+
+pytest.importorskip("transformers")
+
+GLOBAL_BATCH = 4
+STEPS = 4  # optimizer steps
+ACCUMULATE = 2
+SEQ = 16
+
+
+class Prompts(Dataset):
+    """Token ids whose labels mask a prompt of 1..7 tokens, and right padding of 0..5 tokens
+    (mask 0, label -100): token counts differ per sample, per batch and per slice."""
+
+    def __init__(self, size=48, seq=SEQ, vocab=64):
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, vocab, (size, seq), generator=gen)
+        self.labels = self.ids.clone()
+        self.mask = torch.ones_like(self.ids)
+        for i in range(size):
+            prompt = int(torch.randint(1, 8, (), generator=gen))
+            pad = int(torch.randint(0, 6, (), generator=gen))
+            self.labels[i, :prompt] = -100
+            if pad:
+                self.ids[i, -pad:] = 0
+                self.labels[i, -pad:] = -100
+                self.mask[i, -pad:] = 0
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i], "attention_mask": self.mask[i]}
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def token_sum(model, batch):
+    """One process's reference: the summed loss of the whole batch and its labelled tokens."""
+    out = model(**batch, num_items_in_batch=1)
+    return out.loss, (batch["labels"][:, 1:] != -100).sum()
+
+
+def train(parts, data_ranks=1):
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    loader = DataLoader(Prompts(), batch_size=GLOBAL_BATCH // data_ranks, shuffle=True)
+    pipe = sw.pipeline(sw.detect(), *parts, sw.accumulate_gradients(ACCUMULATE),
+                       sw.clip_gradients(0.5))
+    split = any(isinstance(p, sw.transforms.ContextParallel) for p in parts)
+    bundle = pipe(model, opt, loader, loss_fn=None if split else token_sum)
+    state, norms = bundle.init(), []
+    for batch in bundle.loader:
+        state, out = bundle.step(state, batch)
+        if out.grad_norm is not None:
+            norms.append(out.grad_norm.item())
+        if state.step == STEPS:
+            break
+    state = bundle.check(state)
+    return {"params": full_state(bundle.model), "norms": norms, "explain": pipe.explain(),
+            "engine": bundle.engine.name, "metrics": evaluate(bundle)}
+
+
+def evaluate(bundle):
+    """Over 9 samples (padding on 2 data ranks): the mean loss over labelled tokens, token
+    accuracy, the logits of real tokens gathered for metrics, and predict's loss of one batch
+    given to every rank (the mean over its labelled tokens)."""
+    loader = bundle.distribute(DataLoader(Subset(Prompts(), range(9)), batch_size=2))
+    loss_sum = correct = tokens = 0.0
+    logits, ids = [], []
+    for batch in loader:
+        out = bundle.predict(batch)
+        got, labels, mask, inputs = sw.gather_for_metrics(
+            (out.logits, batch["labels"], batch["attention_mask"], batch["input_ids"]), loader)
+        logits.append(got * mask[..., None])  # padding's logits: no loss, masked differently
+        ids.append(inputs)
+        shifted, predicted = labels[:, 1:], got[:, :-1].argmax(-1)
+        real = shifted != -100
+        loss_sum += torch.nn.functional.cross_entropy(
+            got[:, :-1].flatten(0, 1), shifted.flatten(), reduction="sum").item()
+        correct += (predicted == shifted)[real].sum().item()
+        tokens += real.sum().item()
+    ids = torch.cat(ids)  # gathered in rank order: put the samples in one order to compare
+    order = sorted(range(len(ids)), key=lambda i: ids[i].tolist())
+    return {"loss": loss_sum / tokens, "accuracy": correct / tokens,
+            "logits": torch.cat(logits)[order], "samples": len(ids),
+            "batch_loss": bundle.predict(next(iter(DataLoader(Prompts(), batch_size=3)))).loss.item()}
+
+
+def two_ranks():
+    return {"cp2": train([sw.context_parallel(size=2)]),
+            "cp2_shard": train([sw.context_parallel(size=2), sw.shard()])}
+
+
+def four_ranks():
+    return {"cp4": train([sw.context_parallel(size=4)]),
+            "dp2_cp2": train([sw.context_parallel(size=2), sw.shard()], data_ranks=2)}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train([])
+
+
+def _same(got, reference):
+    assert max_param_diff(got["params"], reference["params"]) < 1e-5
+    assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+    mine, theirs = got["metrics"], reference["metrics"]
+    assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
+    assert mine["accuracy"] == pytest.approx(theirs["accuracy"], rel=1e-6)
+    assert mine["samples"] == theirs["samples"] == 9  # each sample once, padding dropped
+    torch.testing.assert_close(mine["logits"], theirs["logits"], rtol=0, atol=1e-5)
+    assert mine["batch_loss"] == pytest.approx(theirs["batch_loss"], rel=1e-6)
+
+
+def test_context_parallel_on_two_ranks_equals_one_process(reference):
+    """cp=2 under DDP and under shard(): parameters within 1e-5 of one process after 4 steps
+    (accumulation 2, clipping), the clipping norms, eval loss and token accuracy to 1e-6."""
+    runs = run_distributed(two_ranks, world_size=2)
+    for name in ("cp2", "cp2_shard"):
+        for rank in runs:
+            _same(rank[name], reference)
+    assert "cp=2" in runs[0]["cp2"]["explain"]
+    assert runs[0]["cp2_shard"]["engine"] == "FSDP2"
+
+
+def test_context_parallel_on_four_ranks_equals_one_process(reference):
+    """cp=4 (key/value heads repeated: 2 < 4) and dp_shard=2 x cp=2 on 4 gloo ranks."""
+    runs = run_distributed(four_ranks, world_size=4)
+    for rank in runs:
+        _same(rank["cp4"], reference)
+        _same(rank["dp2_cp2"], reference)
+    assert "dp_shard=2 x cp=2" in runs[0]["dp2_cp2"]["explain"]
+
+
+def refusals():
+    """What context_parallel refuses before anything is split, each on every rank."""
+    model = llama()
+    bundle = sw.pipeline(sw.detect(), sw.context_parallel(size=2))(
+        model, torch.optim.AdamW(model.parameters()))
+    found = {}
+    batches = {"odd_length": {"input_ids": torch.ones(2, 15, dtype=torch.long),
+                              "labels": torch.ones(2, 15, dtype=torch.long)},
+               "left_padding": {"input_ids": torch.ones(2, 16, dtype=torch.long),
+                                "labels": torch.ones(2, 16, dtype=torch.long),
+                                "attention_mask": torch.tensor([[0] * 4 + [1] * 12] * 2)},
+               "no_labels": {"input_ids": torch.ones(2, 16, dtype=torch.long)}}
+    for name, batch in batches.items():
+        try:
+            bundle.step(bundle.init(), batch)
+            found[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is what is tested
+            found[name] = f"{type(exc).__name__}: {exc}"
+    return found
+
+
+def test_context_parallel_refuses_what_it_cannot_split():
+    found = run_distributed(refusals, world_size=2)[0]
+    assert "ConflictError" in found["odd_length"] and "length 15" in found["odd_length"]
+    assert "left padding" in found["left_padding"]
+    assert "LossError" in found["no_labels"] and "'labels'" in found["no_labels"]
+
+
+def test_context_parallel_arguments_are_checked():
+    with pytest.raises(sw.errors.ArgumentError, match="'size'"):
+        sw.context_parallel(size=0)
+    with pytest.raises(sw.errors.ArgumentError, match="ring"):
+        sw.context_parallel(method="ring")
+    with pytest.raises(ConflictError, match="tensor_parallel"):
+        sw.pipeline(sw.context_parallel(), sw.tensor_parallel())

@@ -71,7 +71,8 @@ def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
                 "sequences (right padding only), and the loss is the token sum over the "
                 "accumulation window and all ranks divided by its labelled tokens (as "
                 "Transformers' Trainer weighs tokens; a step without context_parallel "
-                "averages each micro-batch's own mean); bundle.predict returns whole-sequence outputs on every rank and "
+                "averages each micro-batch's own mean); bundle.predict returns "
+                "whole-sequence outputs on every rank and "
                 f"sw.gather_for_metrics keeps each group's once; sw.reduce(x, 'sum') counts "
                 f"each group's value {mesh.cp} times"]
     return [f"  mesh: {mesh.describe()} over {env.world_size} ranks; tp innermost: the "

@@ -55,28 +55,97 @@ def llama():
     return LlamaForCausalLM(config)
 
 
+class Attention(torch.nn.Module):
+    """A model's own attention outside Transformers, hooked as docs/parallelism.md shows."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv = heads, torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+        self.context_parallel = None
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+
+        def attend(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        out = attend(q, k, v) if self.context_parallel is None else \
+            self.context_parallel.attend(q, k, v, attend)
+        return self.out(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class OwnModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.attn = torch.nn.Embedding(64, 32), Attention()
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, input_ids):
+        return self.head(self.attn(self.embed(input_ids)))
+
+
+def slice_sum(model, batch):
+    """A loss_fn for either form of batch: whole (labels to shift) or a slice (shift_labels)."""
+    labels = batch.get("shift_labels")
+    if labels is None:
+        labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    logits = model(batch["input_ids"])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                             ignore_index=-100, reduction="sum")
+    return loss, (labels != -100).sum()
+
+
+def own_model(parts):
+    """OwnModel trained 4 optimizer steps (accumulation 2, SGD: an update linear in the
+    gradient, so a wrong token weight shows at once) with slice_sum."""
+    model = OwnModel()
+    bundle = sw.pipeline(sw.detect(), *parts, sw.accumulate_gradients(ACCUMULATE))(
+        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        DataLoader(Prompts(), batch_size=GLOBAL_BATCH, shuffle=True), loss_fn=slice_sum)
+    state = bundle.init()
+    for batch in bundle.loader:
+        state, _ = bundle.step(state, batch)
+        if state.step == STEPS:
+            break
+    return full_state(bundle.model)
+
+
 def token_sum(model, batch):
     """One process's reference: the summed loss of the whole batch and its labelled tokens."""
     out = model(**batch, num_items_in_batch=1)
     return out.loss, (batch["labels"][:, 1:] != -100).sum()
 
 
-def train(parts, data_ranks=1):
+def built(parts, data_ranks=1):
     model = llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     loader = DataLoader(Prompts(), batch_size=GLOBAL_BATCH // data_ranks, shuffle=True)
     pipe = sw.pipeline(sw.detect(), *parts, sw.accumulate_gradients(ACCUMULATE),
                        sw.clip_gradients(0.5))
     split = any(isinstance(p, sw.transforms.ContextParallel) for p in parts)
-    bundle = pipe(model, opt, loader, loss_fn=None if split else token_sum)
-    state, norms = bundle.init(), []
+    return pipe, pipe(model, opt, loader, loss_fn=None if split else token_sum)
+
+
+def steps(bundle, state, until, save_at=None, root=None):
+    """Train until optimizer step ``until`` (saving at step ``save_at``); the clipping norms."""
+    norms = []
     for batch in bundle.loader:
         state, out = bundle.step(state, batch)
         if out.grad_norm is not None:
             norms.append(out.grad_norm.item())
-        if state.step == STEPS:
+        if state.step == save_at and not state.window_batches:
+            sw.save(root, bundle, state)
+        if state.step == until:
             break
-    state = bundle.check(state)
+    return bundle.check(state), norms
+
+
+def train(parts, data_ranks=1, save_at=None, root=None):
+    pipe, bundle = built(parts, data_ranks)
+    state, norms = steps(bundle, bundle.init(), STEPS, save_at, root)
     return {"params": full_state(bundle.model), "norms": norms, "explain": pipe.explain(),
             "engine": bundle.engine.name, "metrics": evaluate(bundle)}
 
@@ -107,9 +176,10 @@ def evaluate(bundle):
             "batch_loss": bundle.predict(next(iter(DataLoader(Prompts(), batch_size=3)))).loss.item()}
 
 
-def two_ranks():
-    return {"cp2": train([sw.context_parallel(size=2)]),
-            "cp2_shard": train([sw.context_parallel(size=2), sw.shard()])}
+def two_ranks(root):
+    return {"cp2": train([sw.context_parallel(size=2)], save_at=2, root=root),
+            "cp2_shard": train([sw.context_parallel(size=2), sw.shard()]),
+            "own_model": own_model([sw.context_parallel(size=2)])}
 
 
 def four_ranks():
@@ -133,14 +203,26 @@ def _same(got, reference):
     assert mine["batch_loss"] == pytest.approx(theirs["batch_loss"], rel=1e-6)
 
 
-def test_context_parallel_on_two_ranks_equals_one_process(reference):
+def test_context_parallel_on_two_ranks_equals_one_process(reference, tmp_path):
     """cp=2 under DDP and under shard(): parameters within 1e-5 of one process after 4 steps
-    (accumulation 2, clipping), the clipping norms, eval loss and token accuracy to 1e-6."""
-    runs = run_distributed(two_ranks, world_size=2)
+    (accumulation 2, clipping), the clipping norms, eval loss and token accuracy to 1e-6; and
+    a checkpoint saved at cp=2 resumed in one process; a model of one's own hooked through
+    its attention's attribute."""
+    runs = run_distributed(two_ranks, str(tmp_path), world_size=2)
     for name in ("cp2", "cp2_shard"):
         for rank in runs:
             _same(rank[name], reference)
     assert "cp=2" in runs[0]["cp2"]["explain"]
+    # its checkpoint at step 2 loads in one process and goes on as one process does
+    _, alone = built([])
+    state = sw.load(tmp_path, alone)
+    assert state.step == 2
+    state, _ = steps(alone, state, STEPS)
+    assert max_param_diff(full_state(alone.model), reference["params"]) < 1e-5
+    # a model outside Transformers, hooked through its declared context_parallel attribute
+    alone = own_model([])
+    for rank in runs:
+        assert max_param_diff(rank["own_model"], alone) < 1e-5
     assert runs[0]["cp2_shard"]["engine"] == "FSDP2"
 
 

@@ -68,6 +68,35 @@ def test_an_accelerate_parallelism_config_object_is_read():
     assert sw.tensor_parallel(size=2) in pipe.transforms
 
 
+@pytest.mark.parametrize("name", ["cp", "sp"])
+def test_cp_and_sp_sizes_are_context_parallel_from_every_source(tmp_path, name):
+    """cp_size (Accelerate's context parallel) and sp_size (DeepSpeed's Ulysses) build
+    context_parallel(size=2) beside the FSDP settings' shard(), from the YAML, the launch
+    variables and TrainingArguments alike; cp_size's notice says the exchange differs."""
+    block = {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 1,
+             f"parallelism_config_{name}_size": 2}
+    code = [sw.mixed_precision("fp32"), sw.context_parallel(size=2),
+            sw.shard(sw.by_class("LlamaDecoderLayer"), reshard_after_forward=True)]
+    from_yaml = sw.from_config(write(tmp_path, {**YAML, "parallelism_config": block}), env=env())
+    variables = {**VARIABLES, "PARALLELISM_CONFIG_TP_SIZE": "1",
+                 f"PARALLELISM_CONFIG_{name.upper()}_SIZE": "2"}
+    from_variables = sw.pipeline(env(**variables))
+    assert configured(from_yaml) == configured(from_variables) == code
+    args = {"fsdp": "full_shard", "fsdp_config": {**FSDP2, "version": 2},
+            "parallelism_config": {"dp_shard_size": 2, f"{name}_size": 2}}
+    from_args = [t for t in sw.from_training_args(args, env=env()).transforms
+                 if t.factory_name in ("context_parallel", "shard")]
+    assert from_args == code[1:]
+    assert "mesh: dp_shard=2 x cp=2 over 4 ranks" in from_yaml.explain()
+    said = "runs as sw.context_parallel(method='ulysses')"
+    assert (said in from_yaml.explain()) == (name == "cp")
+    # cp alone: FSDP2 over the cp ranks (Accelerate's dp_shard_cp)
+    alone = {"parallelism_config_tp_size": 1, "parallelism_config_dp_shard_size": 1,
+             f"parallelism_config_{name}_size": 4}
+    pipe = sw.from_config(write(tmp_path, {**YAML, "parallelism_config": alone}), env=env())
+    assert configured(pipe)[1:] == [sw.context_parallel(size=4), code[2]]
+
+
 def test_replicate_size_is_hsdp_across_nodes():
     two_nodes = sw.Env(world_size=8, local_world_size=4, num_nodes=2, node_rank=0)
     block = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}
@@ -89,7 +118,15 @@ def test_nothing_asked_changes_nothing():
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"parallelism_config_cp_size": 2}, r"parallelism_config_cp_size=2 .*context parallelism"),
+    ({"parallelism_config_cp_size": 2}, r"cp_size=2 with .*tp_size=2: context parallelism "
+                                        r"beside tensor parallelism is not supported yet"),
+    ({"parallelism_config_tp_size": 1, "parallelism_config_cp_size": 2,
+      "parallelism_config_sp_size": 2}, r"cp_size=2 and .*sp_size=2: both split sequences"),
+    ({"parallelism_config_tp_size": 1, "parallelism_config_cp_size": 2,
+      "parallelism_config_cp_comm_strategy": "ring"},
+     r"parallelism_config_cp_comm_strategy='ring'.*allgather"),
+    ({"parallelism_config_tp_size": 1, "parallelism_config_sp_size": 2,
+      "parallelism_config_sp_seq_length": 4096}, r"parallelism_config_sp_seq_length=4096"),
     ({"parallelism_config_tp_size": 4}, r"dp_shard_size=2 x .*tp_size=4 = 8 ranks, but this run "
                                         r"has 4"),
     ({"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 1},
@@ -105,7 +142,7 @@ def test_bad_sizes_are_refused_naming_the_key(tmp_path, change, message):
 
 def test_variables_are_named_in_errors_and_fsdp2_is_required(tmp_path):
     with pytest.raises(ConfigError, match=r"PARALLELISM_CONFIG_CP_SIZE=2"):
-        sw.pipeline(env(**{**VARIABLES, "PARALLELISM_CONFIG_CP_SIZE": "2"}))
+        sw.pipeline(env(**{**VARIABLES, "PARALLELISM_CONFIG_CP_SIZE": "2"}))  # beside tp_size
     multi_cpu = {**YAML, "distributed_type": "MULTI_CPU"}
     with pytest.raises(ConfigError, match=r"needs distributed_type: FSDP with "
                                           r"fsdp_config.fsdp_version: 2"):

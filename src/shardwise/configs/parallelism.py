@@ -4,7 +4,10 @@ of ``accelerate launch``, or TrainingArguments' ``parallelism_config``) -> trans
 
 The sizes say the mesh: ``tp_size`` becomes ``tensor_parallel(size=...)``, ``dp_shard_size``
 the ``shard()`` of the FSDP settings (over the mesh's data dimension), ``dp_replicate_size``
-HSDP across nodes (or DDP alone). Context and sequence parallelism are refused.
+HSDP across nodes (or DDP alone). ``cp_size`` (Accelerate's context parallel) and
+``sp_size`` (DeepSpeed's Ulysses sequence parallel) both become ``context_parallel(size=...)``:
+Ulysses' all-to-alls, the same numbers as torch's ring attention with another exchange (a
+notice says so for ``cp_size``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from shardwise._config_source import Source, short
 from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.context_parallelism import context_parallel
 from shardwise.transforms.replication import Replicate, replicate
 from shardwise.transforms.sharding import Shard, shard
 from shardwise.transforms.tensor_parallelism import tensor_parallel
@@ -30,12 +34,19 @@ SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 _OTHER = ("cp_comm_strategy", "cp_backend", "cp_handler", "sp_backend", "sp_seq_length",
           "sp_seq_length_is_variable", "sp_attn_implementation", "sp_handler", "tp_handler")
 KEYS = {*SIZES, *_OTHER}
-_REFUSED = {
-    "cp_size": "1 (context parallelism is not supported: torch's context_parallel splits only "
-               "CUDA's SDPA kernels (on a CPU, aten._scaled_dot_product_flash_attention_for_cpu "
-               "has no sharding strategy), which shardwise cannot test; save activations with "
-               "checkpoint_activations, or split layers with tp_size)",
-    "sp_size": "1 (sequence parallelism (DeepSpeed Ulysses) is not supported)"}
+#: the values each setting of context/sequence parallelism may take (Accelerate's own)
+_CHOICES = {"cp_backend": ("torch",), "cp_comm_strategy": ("allgather", "alltoall"),
+            "sp_backend": ("deepspeed",)}
+#: settings that would choose what shardwise does not do, refused when set (size > 1)
+_UNHONOURED = {
+    "cp_handler": "unset (a TorchContextParallelConfig chooses torch's ring exchange; "
+                  "shardwise runs Ulysses: set cp_comm_strategy, or nothing)",
+    "sp_handler": "unset (the DeepSpeed sequence-parallel settings object; shardwise runs "
+                  "Ulysses itself)",
+    "sp_seq_length": "unset (shardwise splits each batch's own length, any multiple of sp_size)",
+    "sp_seq_length_is_variable": "unset or true (each batch's own length is split)",
+    "sp_attn_implementation": "unset (the model's own attention implementation runs on whole "
+                              "sequences)"}
 
 
 def _spellings(src: Source, block: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -66,15 +77,45 @@ def _sizes(src: Source, block: Mapping[str, Any], where: str) -> dict[str, int]:
     for name in SIZES:
         value = block.get(name)
         sizes[name] = 1 if value is None else src.integer(f"{where}{name}", value, 1, 2**16)
-    for name, accepted in _REFUSED.items():
-        if sizes[name] > 1:
-            raise src.fail(f"{where}{name}", sizes[name], accepted)
+    if sizes["cp_size"] > 1 and sizes["sp_size"] > 1:
+        raise ConfigError.at(src.origin, f"{where}cp_size={sizes['cp_size']} and {where}sp_size="
+                             f"{sizes['sp_size']}: both split sequences; set one of them to 1 (as "
+                             "Accelerate requires)")
+    if sizes["tp_size"] > 1 and max(sizes["cp_size"], sizes["sp_size"]) > 1:
+        name = "cp_size" if sizes["cp_size"] > 1 else "sp_size"
+        raise ConfigError.at(src.origin, f"{where}{name}={sizes[name]} with {where}tp_size="
+                             f"{sizes['tp_size']}: context parallelism beside tensor parallelism "
+                             "is not supported yet; set one of them to 1")
     return sizes
 
 
+def _sequence_settings(src: Source, block: Mapping[str, Any], sizes: dict[str, int],
+                       where: str) -> None:
+    """Check the settings of the sequence split asked for: Accelerate's values, nothing that
+    would choose what shardwise does not do; a notice where its exchange differs."""
+    for name in ("cp", "sp"):
+        if sizes[f"{name}_size"] == 1:
+            continue
+        for key, options in _CHOICES.items():
+            if key.startswith(name) and block.get(key) is not None:
+                if block[key] not in options:
+                    raise src.fail(f"{where}{key}", block[key], ", ".join(options))
+        for key, accepted in _UNHONOURED.items():
+            value = block.get(key)
+            if key.startswith(name) and value is not None and not (
+                    key == "sp_seq_length_is_variable" and value is True):
+                raise src.fail(f"{where}{key}", value, accepted)
+    if sizes["cp_size"] > 1:
+        src.notice(f"{where}cp_size", "runs as sw.context_parallel(method='ulysses'): all-to-alls "
+                   "of heads around each attention rather than torch's ring (which splits CUDA's "
+                   "SDPA only); the same numbers, another exchange")
+
+
 def _check_world(src: Source, sizes: dict[str, int], env: Env, where: str) -> None:
-    product = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"]
-    shown = " x ".join(f"{where}{n}={sizes[n]}" for n in SIZES[:3])
+    product = 1
+    for name in SIZES:
+        product *= sizes[name]
+    shown = " x ".join(f"{where}{n}={sizes[n]}" for n in SIZES if sizes[n] > 1 or n in SIZES[:3])
     if env.is_distributed and product != env.world_size:
         raise ConfigError.at(src.origin, f"{shown} = {product} ranks, but this run has "
                           f"{env.world_size}; the sizes must multiply to the number of processes")
@@ -101,21 +142,27 @@ def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Tr
 
     Raises:
         ConfigError: a key given with and without the prefix with different values, a size
-            that is not a positive integer, context or sequence parallelism,
-            sizes that do not multiply to the world size, a replicate size other than the
+            that is not a positive integer, both cp_size and sp_size, either beside tp_size,
+            a setting of theirs shardwise cannot honour, sizes that do not multiply to the
+            world size, a replicate size other than the
             number of nodes, or NO_SHARD with a shard size, naming the keys.
     """
     src.check_keys({f"{where}{str(k).removeprefix(PREFIX)}": k for k in block},
                    {f"{where}{k}" for k in KEYS})
-    sizes = _sizes(src, _spellings(src, block, where), where)
+    plain = _spellings(src, block, where)
+    sizes = _sizes(src, plain, where)
     if all(size == 1 for size in sizes.values()):
         return given  # nothing asked: what the launcher writes when the block is unused
+    _sequence_settings(src, plain, sizes, where)
     _check_world(src, sizes, env, where)
     replicas, shards, tp = sizes["dp_replicate_size"], sizes["dp_shard_size"], sizes["tp_size"]
+    cp = sizes["cp_size"] * sizes["sp_size"]  # at most one of them > 1
     out = [t for t in given if t.stage != Stage.DISTRIBUTION]
     distribution = next((t for t in given if t.stage == Stage.DISTRIBUTION), None)
     if tp > 1:
         out.append(tensor_parallel(size=tp))
+    if cp > 1:
+        out.append(context_parallel(size=cp))
     if shards > 1:
         if isinstance(distribution, Replicate):
             raise ConfigError.at(src.origin, f"{where}dp_shard_size={shards} needs FSDP "
@@ -129,4 +176,6 @@ def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Tr
                               f"{where}tp_size={tp} and dp_shard_size=1: beside tensor "
                               "parallelism the data ranks are sharded (FSDP2); set dp_shard_size")
         out.append(replicate())
+    elif cp > 1 and distribution is not None:  # FSDP2 (or DDP) over the dp x cp ranks
+        out.append(distribution)
     return out

@@ -50,7 +50,8 @@ ARGUMENTS: dict[str, str] = {
     "parallelism_config": "Accelerate's ParallelismConfig (or a dict of its fields): tp_size "
                           "-> tensor_parallel(size=...), dp_shard_size -> shard() over the "
                           "data ranks, dp_replicate_size -> HSDP across nodes (or replicate() "
-                          "alone); cp_size/sp_size > 1 refused",
+                          "alone), cp_size or sp_size -> context_parallel(size=...) (Ulysses; not beside "
+                          "tp_size)",
     "torch_compile": "compile(regional=False): the whole model, as the Trainer compiles it",
     "torch_compile_backend": "compile(backend=...) (setting it implies torch_compile=True, as "
                              "in Transformers)",

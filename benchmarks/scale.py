@@ -18,11 +18,16 @@ on 2 gloo ranks; its state is counted after the step and one more backward (para
 gradients and optimizer state all held at once), as ``memory_table.py`` does.
 
     OMP_NUM_THREADS=1 python benchmarks/scale.py [--sizes 8 64 256 1024] [--models 7B 70B 405B]
-        [--tp 8] [--rank first|last] [--no-real] [--json]
+        [--tp 8] [--context 8] [--rank first|last] [--no-real] [--json]
 
 Tensor parallel rows (``--tp 8``): ``tensor_parallel(size=8)`` (the model's own plan) then
 ``shard()`` over the ``dp_shard`` dimension of a ``dp_shard x tp`` mesh, e.g. Llama-70B at
 tp=8 x dp_shard=128 on 1024 ranks.
+
+Context parallel rows (``--context 8``, the default): Llama-3.1-8B's shapes under
+``context_parallel(size=8)`` + ``shard()`` + bf16 + activation checkpointing on 8 simulated
+ranks: the state rank 0 holds beside the estimate, and the estimated activations of one
+131,072-token sequence, whole and per rank.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ SHAPES = {
                num_key_value_heads=32, intermediate_size=11008, vocab_size=32000),
     "70B": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8, intermediate_size=28672, vocab_size=32000),
+    # Llama-3.1-8B's shapes (the context-parallel rows)
+    "8B": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
     # Llama-3.1-405B's shapes
     "405B": dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
                  num_key_value_heads=8, intermediate_size=53248, vocab_size=128256),
@@ -120,6 +128,51 @@ def simulate(shape: str, world: int, hsdp: bool, last: bool,
             "simulated": simulated, "estimate": estimate}
 
 
+def simulate_context(shape: str, world: int, cp: int, tokens: int) -> dict[str, Any]:
+    """Rank 0 of ``world`` ranks under context_parallel(size=cp) + shard() on meta: the state
+    it holds beside the estimate, and the estimate's activations for one sequence of
+    ``tokens`` tokens (bf16, activation checkpointing) whole and per rank."""
+    env = sw.Env(world_size=world, rank=0, local_rank=0, local_world_size=min(world, NODE),
+                 num_nodes=max(1, world // NODE), backend="fake")
+    with torch.device("meta"):
+        model = llama(shape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = {"input_ids": torch.zeros(1, tokens, dtype=torch.long, device="meta"),
+             "labels": torch.zeros(1, tokens, dtype=torch.long, device="meta")}
+    base = [sw.shard(), sw.mixed_precision("bf16"), sw.checkpoint_activations()]
+    whole = sw.estimate_memory(model, base, env, batch=batch, optimizer=optimizer)
+    parts = [sw.context_parallel(size=cp), *base]
+    split = sw.estimate_memory(model, parts, env, batch=batch, optimizer=optimizer)
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        bundle = sw.pipeline(env, *parts)(model, optimizer)
+        for p in bundle.model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        simulated = held(bundle.model, optimizer)
+    finally:
+        dist.destroy_process_group()
+    return {"model": f"Llama-{shape}", "ranks": world, "tokens": tokens,
+            "mesh": f"dp_shard {world // cp} x cp {cp}", "simulated": simulated,
+            "estimate": {"params": split.params_bytes, "grads": split.grads_bytes,
+                         "optimizer": split.optimizer_bytes},
+            "activations_whole": whole.activations_bytes,
+            "activations_rank": split.activations_bytes, "layout": split.layout}
+
+
+def context_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | tokens | ranks | mesh | params / grads / optimizer MiB (held) | "
+             "estimate MiB | activations MiB, whole sequence | per rank |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        sim = row["simulated"]
+        lines.append(f"| {row['model']} | {row['tokens']} | {row['ranks']} | {row['mesh']} | "
+                     + " / ".join(mib(sim[p]) for p in PARTS)
+                     + f" | {mib(sum(row['estimate'].values()))} | "
+                     f"{mib(row['activations_whole'])} | {mib(row['activations_rank'])} |")
+    return "\n".join(lines)
+
+
 def two_ranks() -> dict[str, Any]:
     """Run in each of 2 gloo ranks: one step of the tiny Llama under shard(), then a backward."""
     torch.manual_seed(0)
@@ -178,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--own-mesh", action="store_true",
                         help="also HSDP through shard(mesh=<a 2-D DeviceMesh>)")
     parser.add_argument("--no-real", action="store_true", help="skip the real 2-rank run")
+    parser.add_argument("--context", type=int, nargs="*", default=[8],
+                        help="context_parallel(size=C) rows: Llama-8B, 131072 tokens, C ranks "
+                             "(none: --context)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     rows = []
@@ -201,7 +257,14 @@ def main(argv: list[str] | None = None) -> None:
                                          own_mesh=True))
     if not args.no_real:
         rows += run_distributed(two_ranks, world_size=2, timeout=300)
-    print(json.dumps(rows) if args.json else table(rows))
+    context = [simulate_context("8B", cp, cp, 131072) for cp in args.context]
+    if args.json:
+        print(json.dumps(rows + context))
+        return
+    print(table(rows))
+    if context:
+        print()
+        print(context_table(context))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import attrs
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from shardwise import precision as precisions
@@ -157,6 +158,26 @@ def _block_meter(blocks: list[nn.Module], counter: list[int],
             handle.remove()
 
 
+class _FusedAttention(TorchFunctionMode):
+    """On the meta device, ``scaled_dot_product_attention`` saves for backward what a fused
+    kernel (flash, memory-efficient: what runs on a GPU and for a CPU's mask-free attention)
+    saves: query, key, value, output and one statistic per row, not the ``S x S`` weights of
+    the math kernel the meta device would otherwise dispatch to."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value = args[:3]
+        if key.shape[-3] != query.shape[-3]:  # grouped-query attention (enable_gqa)
+            key, value = (t.repeat_interleave(query.shape[-3] // t.shape[-3], -3)
+                          for t in (key, value))
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return flash(query, key, value, kwargs.get("dropout_p", 0.0),
+                     bool(kwargs.get("is_causal", False)), scale=kwargs.get("scale"))[0]
+
+
 def _activations(model: nn.Module, batch: Any, precision: Precision,
                  checkpointed: Policy | None) -> tuple[int | None, str]:
     """Bytes saved for backward by one forward of ``batch``, run on the meta device; None
@@ -181,7 +202,7 @@ def _activations(model: nn.Module, batch: Any, precision: Precision,
     blocks = [m for _, m in select(checkpointed, model, user="estimate_memory")] \
         if checkpointed is not None else []
     try:
-        with _block_meter(blocks, counter, per_block), \
+        with _block_meter(blocks, counter, per_block), _FusedAttention(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if isinstance(batch, Mapping):
                 functional_call(model, {**params, **buffers}, (), dict(batch))
@@ -234,7 +255,10 @@ def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transf
     dim 0 under ``shard()``; optimizer state follows the optimizer's own layout, measured by
     stepping its class on a probe (default AdamW: two fp32 moments); activations are the
     tensors saved for backward by a forward of ``batch`` (one rank's micro-batch) on the
-    meta device, in the plan's precision, reduced as ``checkpoint_activations`` would.
+    meta device, in the plan's precision (attention saving what a fused kernel saves, not
+    the math kernel's ``S x S`` weights), reduced as ``checkpoint_activations`` would, and
+    divided by the group's size under ``context_parallel`` (each rank holds a slice of every
+    sequence; give the whole batch a data rank reads).
 
     Args:
         model: the model (not modified, nothing is allocated for it).
@@ -263,6 +287,10 @@ def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transf
         activations, missing = _activations(model, batch, plan.precision,
                                             ckpt.policy if ckpt is not None else None)
     layout = parts.layout + (" + activation checkpointing" if ckpt is not None else "")
+    split = plan.context_parallel.group_size(env) if plan.context_parallel is not None else 1
+    if split > 1:  # each rank a 1/split slice of every sequence (and, in attention, of the heads)
+        layout += f" + context parallel over {split} (activations of the whole batch / {split})"
+        activations = -(-activations // split) if activations is not None else None
     total = (parts.params_bytes + parts.grads_bytes + parts.optimizer_bytes + (activations or 0)
              + parts.working_bytes)
     return MemoryEstimate(parts.params_bytes, parts.grads_bytes, parts.optimizer_bytes,

@@ -59,6 +59,22 @@ def test_estimate_matches_two_real_ranks(rows):
             assert within(est[part], held[part]), (row["rank"], part, est[part], held[part])
 
 
+def test_context_parallel_llama_8b_at_128k_tokens(rows):
+    """Llama-3.1-8B's shapes under context_parallel(size=8) + shard() on 8 simulated ranks:
+    the state is FSDP2's over all 8 (the cp ranks fold into the data dimension), within 10%
+    of the estimate, and one 131,072-token sequence's activations per rank are the whole
+    sequence's over 8 (attention counted as a fused kernel saves it, not S x S weights)."""
+    row = next(r for r in rows if r.get("tokens") == 131072)
+    assert row["mesh"] == "dp_shard 1 x cp 8"
+    held, est = row["simulated"], row["estimate"]
+    for part in PARTS:
+        assert within(est[part], held[part]), (part, est[part], held[part])
+    assert row["activations_rank"] == -(-row["activations_whole"] // 8)
+    # far below the math kernel's weights: 32 heads x 131072^2 x 2 bytes per layer
+    assert row["activations_whole"] < 32 * 131072**2 * 2
+    assert "context parallel over 8" in row["layout"]
+
+
 LLAMA_70B_PARAMS = 68_976_648_192
 
 
@@ -68,7 +84,7 @@ def tp_rows():
     rows = []
     for args in (["--sizes", "1024", "--models", "70B", "--tp", "8", "--no-hsdp"],
                  ["--sizes", "64", "--models", "7B", "--tp", "4"]):
-        done = subprocess.run([sys.executable, str(SCRIPT), *args, "--no-real", "--json"],
+        done = subprocess.run([sys.executable, str(SCRIPT), *args, "--no-real", "--context", "--json"],
                               capture_output=True, text=True, timeout=180, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         rows += json.loads(done.stdout.strip().splitlines()[-1])

@@ -98,3 +98,39 @@ def test_an_estimate_says_why_it_has_no_activations_and_what_it_cannot_tell():
     measured = sw.estimate_memory(TinyTransformerLM(vocab=64, dim=32, heads=2, layers=2), [], env,
                                   batch=tokens(2))
     assert measured.fits is True and measured.budget_bytes == int(2**30 * SAFE_FRACTION)
+
+
+def test_context_parallel_divides_the_activations_by_its_size_and_says_so():
+    """Each rank of a context-parallel group holds a slice of every sequence: the estimate's
+    activations are the whole batch's over the group's size, said in its layout; parameters,
+    gradients and optimizer state are those of the distribution beside it."""
+    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
+    batch = {"input_ids": torch.zeros(2, 64, dtype=torch.long)}
+    env = sw.Env(world_size=4, local_world_size=4)
+    alone = sw.estimate_memory(model, [sw.shard()], env, batch=batch)
+    split = sw.estimate_memory(model, [sw.context_parallel(size=2), sw.shard()], env, batch=batch)
+    assert split.activations_bytes == -(-alone.activations_bytes // 2)
+    assert (split.params_bytes, split.grads_bytes, split.optimizer_bytes) == (
+        alone.params_bytes, alone.grads_bytes, alone.optimizer_bytes)
+    assert "context parallel over 2 (activations of the whole batch / 2)" in split.layout
+
+
+def test_attention_is_estimated_as_a_fused_kernel_saves_it():
+    """SDPA on the meta device would dispatch to the math kernel, which saves the S x S
+    weights; the estimate counts what a fused kernel saves (query, key, value, output, one
+    statistic per row), so a long sequence's activations grow linearly."""
+
+    class Attend(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    sizes = [sw.estimate_memory(Attend(), [], batch=torch.zeros(1, n, 16)).activations_bytes
+             for n in (1024, 2048)]
+    weights = 2 * 1024 * 1024 * 4  # what the math kernel would save at 1024 tokens
+    assert sizes[0] < weights / 16
+    assert sizes[1] == pytest.approx(2 * sizes[0], rel=0.01)

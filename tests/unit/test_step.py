@@ -413,3 +413,27 @@ def test_a_negative_or_non_finite_item_count_is_refused(count, error):
     with pytest.raises(error):
         checked_step(bundle, (torch.randn(4, 8), torch.randn(4, 1)))
     assert max_param_diff(model, before) == 0.0
+
+
+def test_checkpointed_transformers_layers_get_no_cache_and_train_as_without_checkpointing():
+    """A Transformers Llama builds a key/value cache in training (use_cache=True in its
+    config); a checkpointed layer recomputed in backward would append its keys again (with a
+    padding mask that failed: 'size of tensor a (32) must match ... (16)'). Checkpointed
+    layers get no cache, as under Transformers' own gradient checkpointing: the step equals
+    one without checkpointing."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, attn_implementation="sdpa")
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0  # right padding on one sample
+    batch = {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask}
+    trained = []
+    for parts in ([], [sw.checkpoint_activations()]):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        bundle = sw.pipeline(sw.Env(), *parts)(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        bundle.step(bundle.init(), batch)
+        trained.append(bundle.model)
+    assert max_param_diff(*trained) < 1e-6

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import attrs
+import torch
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.bundle import Bundle
@@ -22,7 +23,21 @@ __all__ = ["CheckpointActivations", "checkpoint_activations"]
 _MARK = "_shardwise_checkpointed"
 
 
+#: the names a block takes a key/value cache by (Transformers' layers, across versions)
+_CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``forward`` run under non-reentrant checkpointing. A key/value cache it would update
+    is not passed (``use_cache=False``), as Transformers' own gradient checkpointing does:
+    backward's recomputation would append the same keys a second time (a Transformers Llama
+    given a padding mask failed in backward with mismatched sizes)."""
+    if torch.is_grad_enabled():
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        for name in _CACHES:
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

@@ -179,7 +179,10 @@ def evaluate(bundle):
 def two_ranks(root):
     return {"cp2": train([sw.context_parallel(size=2)], save_at=2, root=root),
             "cp2_shard": train([sw.context_parallel(size=2), sw.shard()]),
-            "own_model": own_model([sw.context_parallel(size=2)])}
+            "own_model": own_model([sw.context_parallel(size=2)]),
+            "checkpointed": train([sw.context_parallel(size=2), sw.checkpoint_activations(),
+                                   sw.shard()])["params"],
+            "bf16": train([sw.context_parallel(size=2), sw.mixed_precision("bf16")])["params"]}
 
 
 def four_ranks():
@@ -206,8 +209,8 @@ def _same(got, reference):
 def test_context_parallel_on_two_ranks_equals_one_process(reference, tmp_path):
     """cp=2 under DDP and under shard(): parameters within 1e-5 of one process after 4 steps
     (accumulation 2, clipping), the clipping norms, eval loss and token accuracy to 1e-6; and
-    a checkpoint saved at cp=2 resumed in one process; a model of one's own hooked through
-    its attention's attribute."""
+    a checkpoint saved at cp=2 resumed in one process; with activation checkpointing and
+    shard(), and in bf16; a model of one's own hooked through its attention's attribute."""
     runs = run_distributed(two_ranks, str(tmp_path), world_size=2)
     for name in ("cp2", "cp2_shard"):
         for rank in runs:
@@ -219,6 +222,12 @@ def test_context_parallel_on_two_ranks_equals_one_process(reference, tmp_path):
     assert state.step == 2
     state, _ = steps(alone, state, STEPS)
     assert max_param_diff(full_state(alone.model), reference["params"]) < 1e-5
+    # composed with activation checkpointing (and shard()), and with bf16 autocast: within
+    # 1.5x of how far bf16 itself moves the weights from fp32 in one process
+    bf16 = max_param_diff(train([sw.mixed_precision("bf16")])["params"], reference["params"])
+    for rank in runs:
+        assert max_param_diff(rank["checkpointed"], reference["params"]) < 1e-5
+        assert 0 < max_param_diff(rank["bf16"], reference["params"]) <= 1.5 * bf16
     # a model outside Transformers, hooked through its declared context_parallel attribute
     alone = own_model([])
     for rank in runs:
@@ -253,14 +262,44 @@ def refusals():
             found[name] = "no error"
         except Exception as exc:  # noqa: BLE001 - the message is what is tested
             found[name] = f"{type(exc).__name__}: {exc}"
+    # a NaN on rank 1's slice alone: both ranks refuse the step, nothing is applied
+    batch = next(iter(DataLoader(Prompts(), batch_size=2)))
+    state, _ = bundle.step(bundle.init(), batch)
+    before = full_state(bundle.model)
+    if sw.detect().rank == 1:
+        with torch.no_grad():
+            bundle.model.module.model.norm.weight[0] = float("nan")
+    try:
+        bundle.check(bundle.step(state, batch)[0])
+        found["nonfinite"] = "no error"
+    except sw.errors.NonFiniteError as exc:
+        found["nonfinite"] = str(exc).split(";")[0]
+    with torch.no_grad():
+        bundle.model.module.model.norm.weight.copy_(before["model.norm.weight"])
+    found["unchanged"] = max_param_diff(full_state(bundle.model), before)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    three = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=3,
+                                         num_key_value_heads=3))
+    try:
+        sw.pipeline(sw.detect(), sw.context_parallel(size=2))(three, torch.optim.SGD(three.parameters()))
+        found["heads"] = "no error"
+    except ConflictError as exc:
+        found["heads"] = str(exc)
     return found
 
 
 def test_context_parallel_refuses_what_it_cannot_split():
-    found = run_distributed(refusals, world_size=2)[0]
-    assert "ConflictError" in found["odd_length"] and "length 15" in found["odd_length"]
-    assert "left padding" in found["left_padding"]
-    assert "LossError" in found["no_labels"] and "'labels'" in found["no_labels"]
+    """Lengths, masks and batches it cannot split are refused naming them; a non-finite loss
+    on one rank's slice stops the step on both, with nothing applied."""
+    for found in run_distributed(refusals, world_size=2):
+        assert "ConflictError" in found["odd_length"] and "length 15" in found["odd_length"]
+        assert "left padding" in found["left_padding"]
+        assert "LossError" in found["no_labels"] and "'labels'" in found["no_labels"]
+        assert found["nonfinite"].startswith("non-finite gradients at optimizer step 2")
+        assert found["unchanged"] == 0
+        assert "this model has 3" in found["heads"]  # heads refused before anything is split
 
 
 def test_context_parallel_arguments_are_checked():

@@ -33,10 +33,11 @@ def _size(instance: Any, attribute: Any, value: Any) -> None:
 
 def _method(instance: Any, attribute: Any, value: Any) -> None:
     if value == "ring":
-        raise ArgumentError("context_parallel(method='ring') is not available yet: torch's ring "
-                            "attention (context_parallel) runs SDPA on CUDA only; use "
-                            "method='ulysses', which runs any attention kernel, the CPU's "
-                            "included")
+        raise ArgumentError("context_parallel(method='ring') is not available: torch's context-"
+                            "parallel attention splits CUDA's SDPA kernels only, and its flex "
+                            "path did not equal whole-sequence attention on CPU ranks "
+                            "(docs/parallelism.md); use method='ulysses', which runs any "
+                            "attention kernel, the CPU's included")
     if value not in METHODS:
         raise ArgumentError(f"context_parallel() 'method' must be one of {METHODS} (got "
                             f"{short(value)})")

@@ -35,9 +35,9 @@ def _method(instance: Any, attribute: Any, value: Any) -> None:
     if value == "ring":
         raise ArgumentError("context_parallel(method='ring') is not available: torch's context-"
                             "parallel attention splits CUDA's SDPA kernels only, and its flex "
-                            "path did not equal whole-sequence attention on CPU ranks "
-                            "(docs/parallelism.md); use method='ulysses', which runs any "
-                            "attention kernel, the CPU's included")
+                            "path has no backward on a CPU (docs/parallelism.md); use "
+                            "method='ulysses', which runs any attention kernel, the CPU's "
+                            "included")
     if value not in METHODS:
         raise ArgumentError(f"context_parallel() 'method' must be one of {METHODS} (got "
                             f"{short(value)})")

@@ -75,8 +75,9 @@ def _transformers_config(model: nn.Module) -> Any:
     return config if isinstance(model, PreTrainedModel) else None
 
 
-def hook_attention(model: nn.Module, split: ContextSplit) -> str:
+def hook_attention(model: nn.Module, split: ContextSplit, tp: int = 1) -> str:
     """Put ``split``'s exchange around every attention of ``model``; say how, in words.
+    ``tp``: the tensor-parallel group's size (each rank holds 1/tp of the heads).
 
     Raises:
         ConflictError: a Transformers model whose attention is not a registry function, or
@@ -85,10 +86,11 @@ def hook_attention(model: nn.Module, split: ContextSplit) -> str:
     config = _transformers_config(model)
     if config is not None:
         heads = getattr(config, "num_attention_heads", None)
-        if isinstance(heads, int) and heads % split.size:
-            raise ConflictError(f"context_parallel(size={split.size}, method='ulysses') gives each "
-                                f"rank 1/{split.size} of the attention heads, and this model has "
-                                f"{heads}; use a size that divides {heads}")
+        if isinstance(heads, int) and heads % (split.size * tp):
+            beside = f" x tensor_parallel(size={tp})" if tp > 1 else ""
+            raise ConflictError(f"context_parallel(size={split.size}, method='ulysses'){beside} "
+                                f"gives each rank 1/{split.size * tp} of the attention heads, and "
+                                f"this model has {heads}; use sizes whose product divides {heads}")
         from transformers import AttentionInterface
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -60,30 +60,29 @@ def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
     if mesh is None or mesh.copies == 1:  # data dimensions alone: said by shard()
         return []
     data = mesh.data_ranks(env.world_size)
-    if mesh.tp == 1:
-        return [f"  mesh: {mesh.describe()} over {env.world_size} ranks; cp innermost: the "
-                f"{mesh.cp} ranks of a context-parallel group are consecutive and read the same "
-                f"batch ({data} share(s) of each global batch, rank r reads share r // "
-                f"{mesh.cp}); gradients are reduced over all {env.world_size} ranks",
-                # where shardwise deliberately differs from Accelerate, it says so
-                "  context parallel: labels are shifted before the sequence is cut (done for "
-                "you; Accelerate leaves it to the script), attention runs causally over whole "
-                "sequences (right padding only), and the loss is the token sum over the "
-                "accumulation window and all ranks divided by its labelled tokens (as "
-                "Transformers' Trainer weighs tokens; a step without context_parallel "
-                "averages each micro-batch's own mean); bundle.predict returns "
-                "whole-sequence outputs on every rank and "
-                f"sw.gather_for_metrics keeps each group's once; sw.reduce(x, 'sum') counts "
-                f"each group's value {mesh.cp} times"]
-    return [f"  mesh: {mesh.describe()} over {env.world_size} ranks; tp innermost: the "
-            f"{mesh.tp} ranks of a tensor-parallel group are consecutive (on one node), as "
-            "their collectives run in every layer; data split over "
-            f"{' x '.join(mesh.data_names)} ({data} share(s) of each global batch, rank r "
-            f"reads share r // {mesh.tp})",
-            # where shardwise deliberately differs from torchtitan and Accelerate, it says so
+    inner = " x ".join(name for name, _ in mesh.dims if name in ("cp", "tp"))
+    lines = [f"  mesh: {mesh.describe()} over {env.world_size} ranks; {inner} innermost: the "
+             f"{mesh.copies} ranks of a {inner} block are consecutive (on one node), as their "
+             "collectives run in every layer, and read the same batch; data split over "
+             f"{' x '.join(mesh.data_names)} ({data} share(s) of each global batch, rank r "
+             f"reads share r // {mesh.copies}); sw.reduce(x, 'sum') counts each block's value "
+             f"{mesh.copies} times"]
+    # where shardwise deliberately differs from torchtitan and Accelerate, it says so
+    if mesh.tp > 1:
+        lines.append(
             "  tensor parallel: parameters outside the plan (norms) stay whole on every rank "
             "as replicated DTensors, with no sequence or loss parallelism (torchtitan splits "
             "them): activations around them are whole and results equal one process's; the "
             "plan is applied to the model you pass (Accelerate has Transformers apply it in "
-            "from_pretrained); every rank starts from rank 0's weights; sw.reduce(x, 'sum') "
-            f"counts each group's value {mesh.tp} times"]
+            "from_pretrained); every rank starts from rank 0's weights")
+    if mesh.cp > 1:
+        lines.append(
+            "  context parallel: labels are shifted before the sequence is cut (done for "
+            "you; Accelerate leaves it to the script), attention runs causally over whole "
+            "sequences (right padding only), and the loss is the token sum over the "
+            "accumulation window and all ranks divided by its labelled tokens (as "
+            "Transformers' Trainer weighs tokens; a step without context_parallel averages "
+            "each micro-batch's own mean); gradients are reduced over the cp ranks with the "
+            "data ranks; bundle.predict returns whole-sequence outputs on every rank and "
+            "sw.gather_for_metrics keeps each block's once")
+    return lines

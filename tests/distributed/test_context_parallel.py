@@ -187,7 +187,8 @@ def two_ranks(root):
 
 def four_ranks():
     return {"cp4": train([sw.context_parallel(size=4)]),
-            "dp2_cp2": train([sw.context_parallel(size=2), sw.shard()], data_ranks=2)}
+            "dp2_cp2": train([sw.context_parallel(size=2), sw.shard()], data_ranks=2),
+            "cp2_tp2": train([sw.context_parallel(size=2), sw.tensor_parallel(size=2)])}
 
 
 @pytest.fixture(scope="module")
@@ -236,12 +237,16 @@ def test_context_parallel_on_two_ranks_equals_one_process(reference, tmp_path):
 
 
 def test_context_parallel_on_four_ranks_equals_one_process(reference):
-    """cp=4 (key/value heads repeated: 2 < 4) and dp_shard=2 x cp=2 on 4 gloo ranks."""
+    """cp=4 (key/value heads repeated: 2 < 4), dp_shard=2 x cp=2, and cp=2 x tp=2 (each
+    tensor-parallel rank's 2 heads split over its context-parallel pair; FSDP2 over the cp
+    ranks) on 4 gloo ranks."""
     runs = run_distributed(four_ranks, world_size=4)
     for rank in runs:
         _same(rank["cp4"], reference)
         _same(rank["dp2_cp2"], reference)
+        _same(rank["cp2_tp2"], reference)
     assert "dp_shard=2 x cp=2" in runs[0]["dp2_cp2"]["explain"]
+    assert "dp_shard=1 x cp=2 x tp=2" in runs[0]["cp2_tp2"]["explain"]
 
 
 def refusals():
@@ -307,5 +312,5 @@ def test_context_parallel_arguments_are_checked():
         sw.context_parallel(size=0)
     with pytest.raises(sw.errors.ArgumentError, match="ring"):
         sw.context_parallel(method="ring")
-    with pytest.raises(ConflictError, match="tensor_parallel"):
-        sw.pipeline(sw.context_parallel(), sw.tensor_parallel())
+    with pytest.raises(ConflictError, match="deepspeed"):
+        sw.pipeline(sw.context_parallel(), sw.deepspeed({"zero_optimization": {"stage": 2}}))

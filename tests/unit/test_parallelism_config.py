@@ -118,8 +118,7 @@ def test_nothing_asked_changes_nothing():
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"parallelism_config_cp_size": 2}, r"cp_size=2 with .*tp_size=2: context parallelism "
-                                        r"beside tensor parallelism is not supported yet"),
+    ({"parallelism_config_cp_size": 2}, r"tp_size=2 x .*cp_size=2 = 8 ranks, but this run has 4"),
     ({"parallelism_config_tp_size": 1, "parallelism_config_cp_size": 2,
       "parallelism_config_sp_size": 2}, r"cp_size=2 and .*sp_size=2: both split sequences"),
     ({"parallelism_config_tp_size": 1, "parallelism_config_cp_size": 2,

@@ -81,11 +81,6 @@ def _sizes(src: Source, block: Mapping[str, Any], where: str) -> dict[str, int]:
         raise ConfigError.at(src.origin, f"{where}cp_size={sizes['cp_size']} and {where}sp_size="
                              f"{sizes['sp_size']}: both split sequences; set one of them to 1 (as "
                              "Accelerate requires)")
-    if sizes["tp_size"] > 1 and max(sizes["cp_size"], sizes["sp_size"]) > 1:
-        name = "cp_size" if sizes["cp_size"] > 1 else "sp_size"
-        raise ConfigError.at(src.origin, f"{where}{name}={sizes[name]} with {where}tp_size="
-                             f"{sizes['tp_size']}: context parallelism beside tensor parallelism "
-                             "is not supported yet; set one of them to 1")
     return sizes
 
 

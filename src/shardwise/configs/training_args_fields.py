@@ -50,8 +50,7 @@ ARGUMENTS: dict[str, str] = {
     "parallelism_config": "Accelerate's ParallelismConfig (or a dict of its fields): tp_size "
                           "-> tensor_parallel(size=...), dp_shard_size -> shard() over the "
                           "data ranks, dp_replicate_size -> HSDP across nodes (or replicate() "
-                          "alone), cp_size or sp_size -> context_parallel(size=...) (Ulysses; not beside "
-                          "tp_size)",
+                          "alone), cp_size or sp_size -> context_parallel(size=...) (Ulysses)",
     "torch_compile": "compile(regional=False): the whole model, as the Trainer compiles it",
     "torch_compile_backend": "compile(backend=...) (setting it implies torch_compile=True, as "
                              "in Transformers)",

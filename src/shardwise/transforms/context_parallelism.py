@@ -95,8 +95,7 @@ class ContextParallel(Transform):
 
     def excludes(self) -> dict[str, str]:
         why = "is not combined with context_parallel yet"
-        return {"tensor_parallel": f"tensor_parallel {why} (a dp x cp x tp mesh)",
-                "deepspeed": f"DeepSpeed {why}; its own Ulysses is sp_size in the config",
+        return {"deepspeed": f"DeepSpeed {why}; its own Ulysses is sp_size in the config",
                 "local_sgd": f"local_sgd {why}", "compile": f"compile {why}"}
 
     def __call__(self, bundle: Bundle) -> Bundle:
@@ -116,7 +115,8 @@ class ContextParallel(Transform):
                                 f"size {size}; let sw.pipeline(...) build it")
         cp = mesh["cp"]
         split = ContextSplit(cp.get_group(), int(cp.get_local_rank()), size, self.method)
-        hook_attention(bundle.model, split)
+        tensor = bundle.plan.tensor_parallel  # each rank's heads are 1/tp of them already
+        hook_attention(bundle.model, split, tensor.group_size(env) if tensor is not None else 1)
         return attrs.evolve(bundle, mesh=mesh, context=split)
 
     def describe(self, env: Env) -> str:

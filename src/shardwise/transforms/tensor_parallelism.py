@@ -117,7 +117,7 @@ class TensorParallel(Transform):
     def mesh_dims(self) -> dict[str, int | None]:
         return {"tp": self.size}
 
-    def _size(self, env: Env) -> int:
+    def group_size(self, env: Env) -> int:
         """Ranks per group under ``env``: the ``tp`` dimension of its mesh (1 in one process)."""
         mesh = layout_of(env, [self])
         return mesh.tp if mesh is not None else 1
@@ -155,7 +155,7 @@ class TensorParallel(Transform):
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         env, model = bundle.env, bundle.model
-        size = self._size(env)
+        size = self.group_size(env)
         if not env.is_distributed or size == 1:
             return bundle
         if any(is_dtensor(p) for p in model.parameters()) or \
@@ -196,20 +196,20 @@ class TensorParallel(Transform):
         ``shard()`` over the ranks the groups leave (DDP cannot run DTensor layers), or
         None when one group spans the world. The one place this is decided: the default
         choice and the memory estimate ask it."""
-        if not env.is_distributed or self._size(env) >= env.world_size:
+        if not env.is_distributed or self.group_size(env) >= env.world_size:
             return None
         return shard()
 
     def engine(self, env: Env) -> Engine:
         """The engine this transform puts in the bundle when no distribution follows it
         (settings only, nothing is built)."""
-        size = self._size(env)
+        size = self.group_size(env)
         if not env.is_distributed or size == 1:
             return LocalEngine()
         return TPEngine(tp=size, tensor_parallel=self)
 
     def describe(self, env: Env) -> str:
-        size = self._size(env)
+        size = self.group_size(env)
         if not env.is_distributed or size == 1:
             return "one rank per group: nothing to split"
         source = "the model's own plan" if self.plan == "auto" else \

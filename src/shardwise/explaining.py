@@ -66,7 +66,7 @@ def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
              "collectives run in every layer, and read the same batch; data split over "
              f"{' x '.join(mesh.data_names)} ({data} share(s) of each global batch, rank r "
              f"reads share r // {mesh.copies}); sw.reduce(x, 'sum') counts each block's value "
-             f"{mesh.copies} times"]
+             f"{mesh.copies} times, once with the loader (sw.reduce(x, 'sum', loader))"]
     # where shardwise deliberately differs from torchtitan and Accelerate, it says so
     if mesh.tp > 1:
         lines.append(

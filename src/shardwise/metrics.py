@@ -114,16 +114,22 @@ def gather_for_metrics(values: Any, loader: Iterable[Any] | None = None) -> Any:
     return tree_unflatten(gathered, spec)
 
 
-def reduce(value: torch.Tensor | float, op: ReduceOp = "mean") -> torch.Tensor:
+def reduce(value: torch.Tensor | float, op: ReduceOp = "mean",
+           loader: Iterable[Any] | None = None) -> torch.Tensor:
     """``value`` reduced over all ranks (a collective: every rank calls it).
 
     Args:
         value: a tensor or a number (a number becomes a float64 tensor on the CPU, which the
             gloo backend reduces; with NCCL pass a tensor on the device).
         op: "mean", "sum", "max" or "min".
+        loader: the loader ``value`` was computed from (the bundle's ``eval_loader``, or one
+            from ``bundle.distribute``). Under ``tensor_parallel`` or ``context_parallel``
+            the ranks of a block read one batch and hold the same value; with the loader,
+            a "sum" counts each block's value once (a "mean" is the same either way).
 
     Example:
         >>> mean_loss = sw.reduce(out.loss)
+        >>> total = sw.reduce(loss_sum, "sum", bundle.eval_loader)
     """
     if op not in ("mean", "sum", "max", "min"):
         raise ArgumentError(f"reduce() 'op' must be 'mean', 'sum', 'max' or 'min' (got {short(op)})")
@@ -134,4 +140,6 @@ def reduce(value: torch.Tensor | float, op: ReduceOp = "mean") -> torch.Tensor:
     ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
            "min": dist.ReduceOp.MIN}
     dist.all_reduce(tensor, op=ops[op])
+    if op == "sum":
+        return tensor / _copies(loader, dist.get_world_size()) if loader is not None else tensor
     return tensor / dist.get_world_size() if op == "mean" else tensor

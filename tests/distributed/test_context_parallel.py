@@ -155,10 +155,13 @@ def evaluate(bundle):
     accuracy, the logits of real tokens gathered for metrics, and predict's loss of one batch
     given to every rank (the mean over its labelled tokens)."""
     loader = bundle.distribute(DataLoader(Subset(Prompts(), range(9)), batch_size=2))
-    loss_sum = correct = tokens = 0.0
+    loss_sum = correct = tokens = mine = 0.0
     logits, ids = [], []
     for batch in loader:
         out = bundle.predict(batch)
+        mine += torch.nn.functional.cross_entropy(  # this rank's batch: the same in a cp group
+            out.logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+            reduction="sum").item()
         got, labels, mask, inputs = sw.gather_for_metrics(
             (out.logits, batch["labels"], batch["attention_mask"], batch["input_ids"]), loader)
         logits.append(got * mask[..., None])  # padding's logits: no loss, masked differently
@@ -173,6 +176,7 @@ def evaluate(bundle):
     order = sorted(range(len(ids)), key=lambda i: ids[i].tolist())
     return {"loss": loss_sum / tokens, "accuracy": correct / tokens,
             "logits": torch.cat(logits)[order], "samples": len(ids),
+            "reduced_sum": sw.reduce(mine, "sum", loader).item(),
             "batch_loss": bundle.predict(next(iter(DataLoader(Prompts(), batch_size=3)))).loss.item()}
 
 
@@ -223,6 +227,10 @@ def test_context_parallel_on_two_ranks_equals_one_process(reference, tmp_path):
     assert state.step == 2
     state, _ = steps(alone, state, STEPS)
     assert max_param_diff(full_state(alone.model), reference["params"]) < 1e-5
+    # sw.reduce(x, "sum", loader) counts each cp pair's value once (one data rank: no padding)
+    for rank in runs:
+        assert rank["cp2"]["metrics"]["reduced_sum"] == pytest.approx(
+            reference["metrics"]["reduced_sum"], rel=1e-6)
     # composed with activation checkpointing (and shard()), and with bf16 autocast: within
     # 1.5x of how far bf16 itself moves the weights from fp32 in one process
     bf16 = max_param_diff(train([sw.mixed_precision("bf16")])["params"], reference["params"])

@@ -186,7 +186,11 @@ def two_ranks(root):
             "own_model": own_model([sw.context_parallel(size=2)]),
             "checkpointed": train([sw.context_parallel(size=2), sw.checkpoint_activations(),
                                    sw.shard()])["params"],
-            "bf16": train([sw.context_parallel(size=2), sw.mixed_precision("bf16")])["params"]}
+            "bf16": train([sw.context_parallel(size=2), sw.mixed_precision("bf16")])["params"],
+            # AOTAutograd's tracing of the exchange (inductor's code generation costs more time
+            # than it tests: measured by hand, docs/parallelism.md)
+            "compiled": train([sw.context_parallel(size=2),
+                               sw.compile(backend="aot_eager")])["params"]}
 
 
 def four_ranks():
@@ -215,7 +219,8 @@ def test_context_parallel_on_two_ranks_equals_one_process(reference, tmp_path):
     """cp=2 under DDP and under shard(): parameters within 1e-5 of one process after 4 steps
     (accumulation 2, clipping), the clipping norms, eval loss and token accuracy to 1e-6; and
     a checkpoint saved at cp=2 resumed in one process; with activation checkpointing and
-    shard(), and in bf16; a model of one's own hooked through its attention's attribute."""
+    shard(), compiled, and in bf16; a model of one's own hooked through its attention's
+    attribute."""
     runs = run_distributed(two_ranks, str(tmp_path), world_size=2)
     for name in ("cp2", "cp2_shard"):
         for rank in runs:
@@ -236,6 +241,7 @@ def test_context_parallel_on_two_ranks_equals_one_process(reference, tmp_path):
     bf16 = max_param_diff(train([sw.mixed_precision("bf16")])["params"], reference["params"])
     for rank in runs:
         assert max_param_diff(rank["checkpointed"], reference["params"]) < 1e-5
+        assert max_param_diff(rank["compiled"], reference["params"]) < 1e-5
         assert 0 < max_param_diff(rank["bf16"], reference["params"]) <= 1.5 * bf16
     # a model outside Transformers, hooked through its declared context_parallel attribute
     alone = own_model([])

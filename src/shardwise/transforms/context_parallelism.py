@@ -96,7 +96,7 @@ class ContextParallel(Transform):
     def excludes(self) -> dict[str, str]:
         why = "is not combined with context_parallel yet"
         return {"deepspeed": f"DeepSpeed {why}; its own Ulysses is sp_size in the config",
-                "local_sgd": f"local_sgd {why}", "compile": f"compile {why}"}
+                "local_sgd": f"local_sgd {why}"}
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)

@@ -25,4 +25,4 @@ lint: $(STAMP)
 # DeepSpeed builds its small ops once, into the venv
 test: lint
 	OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions \
-		$(VENV)/bin/pytest -q
+		$(VENV)/bin/pytest -q --durations=25

@@ -74,6 +74,15 @@ def _create_accelerator(self: Any) -> None:
     _check_version()
     _refuse_not_yet(self.args)
     pipe = trainer_pipeline(self.args)
+    from shardwise.transforms.context_parallelism import ContextParallel
+
+    split = [t for t in pipe.transforms if isinstance(t, ContextParallel)]
+    if split and split[0].group_size(pipe.env) > 1:  # the Trainer's loss sees whole sequences
+        raise ConfigError.at("TrainingArguments", "parallelism_config's cp_size/sp_size is not "
+                             "supported by the Trainer on shardwise yet (its compute_loss runs "
+                             "the model on whole sequences, which context_parallel would split "
+                             "without shifting the labels); use sw.from_training_args(args) "
+                             "with sw.fit or your own loop")
     self.accelerator = ShardwiseAccelerator(pipe)
     self.gather_function = self.accelerator.gather_for_metrics
     if "use_gather_object" in inspect.signature(self.gather_function).parameters:

@@ -408,6 +408,28 @@ def test_engines_not_run_under_the_trainer_yet_are_refused_by_name(tmp_path):
     assert issubclass(sw.Trainer, transformers.Trainer) and sw.Trainer.__name__ == "Trainer"
 
 
+def trainer_refusal(output_dir, overrides):
+    """On this rank: the ConfigError a Trainer on shardwise raises for ``overrides``."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=output_dir, use_cpu=True, report_to=[],
+                             ddp_backend="gloo", **overrides)
+    try:
+        sw.Trainer(model=tiny_llama(), args=args, train_dataset=token_data(4, 1))
+    except sw.errors.ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_context_parallel_is_refused_under_the_trainer(tmp_path):
+    """The Trainer's compute_loss runs the model on whole sequences, which context_parallel
+    would split without shifting the labels: refused by name on 2 ranks (sw.fit runs it)."""
+    said = run_distributed(trainer_refusal, str(tmp_path), {"parallelism_config": {"cp_size": 2}},
+                           timeout=300)
+    for message in said:
+        assert "cp_size/sp_size is not supported by the Trainer on shardwise yet" in message
+
+
 def test_a_trainingarguments_subclass_is_read_and_its_own_fields_noticed(tmp_path):
     trl = pytest.importorskip("trl")
     args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_length=64,

@@ -96,7 +96,8 @@ class ContextParallel(Transform):
     def excludes(self) -> dict[str, str]:
         why = "is not combined with context_parallel yet"
         return {"deepspeed": f"DeepSpeed {why}; its own Ulysses is sp_size in the config",
-                "local_sgd": f"local_sgd {why}"}
+                "local_sgd": "local_sgd skips the gradient reduction that sums the slices of a "
+                             "sequence across the context-parallel group"}
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)

@@ -13,6 +13,7 @@ accumulation window and the data ranks as it weighs any ``(loss_sum, num_items)`
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ from shardwise.engines.step_hooks import call_model
 from shardwise.errors import ConflictError, LossError
 from shardwise.ulysses import Attend, sequence_slice, ulysses_attention
 
-__all__ = ["ContextSplit", "IGNORE", "REGISTRY_NAME"]
+__all__ = ["ContextSplit", "IGNORE", "REGISTRY_NAME", "ADDED"]
 
 #: the label that marks a position no loss is computed for (Transformers' and torch's default)
 IGNORE = -100
@@ -55,6 +56,24 @@ def _check_padding(mask: torch.Tensor) -> None:
                             "exact for right padding only; this attention_mask has a zero before "
                             "a one (left padding, or packed documents): pad on the right "
                             "(tokenizer.padding_side = 'right')")
+
+
+#: what a split adds to a batch; a model whose forward takes none of them is not given them
+ADDED = ("position_ids", "shift_labels", "num_items_in_batch")
+
+
+def _for(model: torch.nn.Module, part: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``part`` without the keys the split added that ``model``'s forward does not take (a
+    model of one's own; a wrapper's inner module is asked)."""
+    forward = getattr(model, "module", model).forward
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return part
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return part
+    names = {p.name for p in parameters}
+    return {k: v for k, v in part.items() if k in names or k in given or k not in ADDED}
 
 
 @attrs.frozen
@@ -149,7 +168,7 @@ class ContextSplit:
         labels = part.get("labels")
         if isinstance(labels, torch.Tensor):
             part["num_items_in_batch"] = 1
-        out = call_model(model, part)
+        out = call_model(model, _for(model, part, batch))
         local = part[next(k for k in ("input_ids", "inputs_embeds", "labels") if k in part)]
         length = int(local.shape[1])
         if isinstance(out, torch.Tensor):

@@ -26,6 +26,9 @@ __all__ = ["hook_attention", "ATTRIBUTE"]
 ATTRIBUTE = "context_parallel"
 #: where a hooked Transformers module keeps (split, the implementation it ran before)
 _SLOT = "_shardwise_context"
+#: the implementations that take is_causal=True with no mask as causal attention (flex
+#: attention would run bidirectionally without its block mask)
+CAUSAL_KERNELS = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
 class _Heads:
@@ -60,6 +63,11 @@ def _registered_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
         out, _ = inner(seen, q, k, v, None, is_causal=True, **kwargs)
         return out.transpose(1, 2)
 
+    window = kwargs.get("sliding_window")
+    if isinstance(window, int) and query.shape[2] * split.size > window:
+        raise ConflictError(f"context_parallel attends causally over whole sequences; this "
+                            f"layer has a sliding window of {window} tokens, shorter than the "
+                            f"sequence ({query.shape[2] * split.size}): not supported")
     whole = split.attend(query, key, value, attend)
     return whole.transpose(1, 2).contiguous(), None
 
@@ -75,6 +83,22 @@ def _transformers_config(model: nn.Module) -> Any:
     return config if isinstance(model, PreTrainedModel) else None
 
 
+def _check_causal(model: nn.Module, config: Any) -> None:
+    """Refuse a model whose attention is not causal everywhere (an encoder, an
+    encoder-decoder, a vision tower beside a language model): its labels are not next tokens
+    and its attention would be made causal."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConflictError(f"context_parallel splits causal language models; "
+                            f"{type(model).__name__} is an encoder-decoder")
+    flags = {name: module.is_causal for name, module in model.named_modules()
+             if isinstance(getattr(module, "is_causal", None), bool)}
+    bidirectional = [name for name, causal in flags.items() if not causal]
+    if not flags or bidirectional:
+        where = f" ({bidirectional[0]} is not causal)" if bidirectional else ""
+        raise ConflictError(f"context_parallel splits causal language models, whose attention "
+                            f"is causal in every layer; {type(model).__name__}'s is not{where}")
+
+
 def hook_attention(model: nn.Module, split: ContextSplit, tp: int = 1) -> str:
     """Put ``split``'s exchange around every attention of ``model``; say how, in words.
     ``tp``: the tensor-parallel group's size (each rank holds 1/tp of the heads).
@@ -85,6 +109,7 @@ def hook_attention(model: nn.Module, split: ContextSplit, tp: int = 1) -> str:
     """
     config = _transformers_config(model)
     if config is not None:
+        _check_causal(model, config)
         heads = getattr(config, "num_attention_heads", None)
         if isinstance(heads, int) and heads % (split.size * tp):
             beside = f" x tensor_parallel(size={tp})" if tp > 1 else ""
@@ -98,14 +123,19 @@ def hook_attention(model: nn.Module, split: ContextSplit, tp: int = 1) -> str:
         if before == REGISTRY_NAME:
             raise ConflictError("this model's attention is hooked for context parallelism "
                                 "already; pass a model context_parallel was not applied to")
+        if before in (None, "eager") and not getattr(model, "_supports_sdpa", True):
+            raise ConflictError(f"context_parallel runs 'eager' attention as 'sdpa', which "
+                                f"{type(model).__name__} does not support (its eager attention "
+                                "differs); not supported for this model")
         implementation = "sdpa" if before in (None, "eager") else before
-        if implementation not in ALL_ATTENTION_FUNCTIONS:
-            raise ConflictError(f"context_parallel runs the model's attention implementation on "
-                                f"whole sequences; {before!r} is not in Transformers' "
-                                "AttentionInterface (use attn_implementation='sdpa')")
+        if implementation not in CAUSAL_KERNELS or implementation not in ALL_ATTENTION_FUNCTIONS:
+            raise ConflictError(f"context_parallel runs the model's attention on whole sequences "
+                                f"with is_causal=True and no mask, which {before!r} does not "
+                                f"honour; use attn_implementation= one of 'eager', "
+                                f"{', '.join(repr(k) for k in CAUSAL_KERNELS)}")
         AttentionInterface.register(REGISTRY_NAME, _registered_attention)
-        for module in model.modules():
-            if getattr(module, "config", None) is config:
+        for module in model.modules():  # sub-models (a text_config's) run it too
+            if getattr(module, "config", None) is not None:
                 module.__dict__[_SLOT] = (split, implementation)
         config._attn_implementation = REGISTRY_NAME
         return (f"Transformers' attention registry: {implementation!r} on whole sequences "

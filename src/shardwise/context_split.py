@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from shardwise.engines.step_hooks import call_model
 from shardwise.errors import ConflictError, LossError
@@ -73,6 +74,11 @@ def _for(model: torch.nn.Module, part: dict[str, Any], given: Mapping[str, Any])
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return part
     names = {p.name for p in parameters}
+    if "labels" in part and not {"shift_labels", "num_items_in_batch"} <= names:
+        raise ConflictError(f"under context_parallel a batch with labels is given to the model "
+                            f"with shift_labels and num_items_in_batch (its loss over a slice, "
+                            f"as a sum), which {type(model).__name__}.forward does not take; "
+                            "predict without labels, or use a loss_fn")
     return {k: v for k, v in part.items() if k in names or k in given or k not in ADDED}
 
 
@@ -91,6 +97,13 @@ class ContextSplit:
     rank: int
     size: int
     method: str = "ulysses"
+    #: the slice length of the last batch split (what attention must be given)
+    lengths: list[int] = attrs.field(factory=list, eq=False, repr=False)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ContextSplit:
+        """The same split (a process group cannot be copied): a deep copy of a hooked model
+        (an EMA or reference copy) shares it."""
+        return self
 
     def split(self, batch: Any) -> dict[str, Any]:
         """This rank's slice of ``batch`` (a mapping): every ``[batch, sequence, ...]`` tensor
@@ -114,6 +127,13 @@ class ContextSplit:
         mask = batch.get("attention_mask")
         if isinstance(mask, torch.Tensor):
             _check_padding(mask)
+        positions = batch.get("position_ids")
+        if isinstance(positions, torch.Tensor) and positions.shape[-1] > 1 and \
+                bool((positions.diff(dim=-1) != 1).any()):
+            raise ConflictError("context_parallel attends causally over whole sequences; these "
+                                "position_ids do not rise by 1 along the sequence (packed "
+                                "documents, whose attention stops at each document's start): "
+                                "not supported; pass one document per sequence")
         labels = batch.get("shift_labels", batch.get("labels"))
         if isinstance(labels, torch.Tensor) and "shift_labels" not in batch:
             labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], 1)
@@ -124,6 +144,7 @@ class ContextSplit:
         for key, value in list(out.items()):
             if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == length:
                 out[key] = sequence_slice(value, self.rank, self.size).contiguous()
+        self.lengths[:] = [length // self.size]
         if isinstance(labels, torch.Tensor):
             out["labels"] = out["shift_labels"] = sequence_slice(labels, self.rank,
                                                                 self.size).contiguous()
@@ -173,15 +194,19 @@ class ContextSplit:
         length = int(local.shape[1])
         if isinstance(out, torch.Tensor):
             return self._whole(out, length)
-        if isinstance(out, Mapping):
-            for key, value in list(out.items()):
-                if key == "loss" and isinstance(labels, torch.Tensor):
-                    pair = torch.stack([value.detach().double(),
-                                        (labels != IGNORE).sum().to(value.device, torch.float64)])
-                    dist.all_reduce(pair, group=self.group)
-                    out[key] = (pair[0] / pair[1]).to(value.dtype)  # type: ignore[index]
-                elif isinstance(value, torch.Tensor):
-                    out[key] = self._whole(value, length)  # type: ignore[index]
+        if not isinstance(out, Mapping):
+            raise ConflictError(f"under context_parallel predict gathers the outputs of a mapping "
+                                f"(a Transformers ModelOutput) or a tensor; the model returned a "
+                                f"{type(out).__name__} (pass return_dict=True)")
+        for key, value in list(out.items()):
+            if key == "loss" and isinstance(labels, torch.Tensor):
+                pair = torch.stack([value.detach().double(),
+                                    (labels != IGNORE).sum().to(value.device, torch.float64)])
+                dist.all_reduce(pair, group=self.group)
+                out[key] = (pair[0] / pair[1]).to(value.dtype)  # type: ignore[index]
+            else:  # hidden states and attentions come as tuples of tensors
+                out[key] = tree_map(lambda v: self._whole(v, length)  # type: ignore[index]
+                                    if isinstance(v, torch.Tensor) else v, value)
         return out
 
     def _whole(self, value: torch.Tensor, length: int) -> torch.Tensor:
@@ -197,4 +222,10 @@ class ContextSplit:
         """Attention over whole sequences for this rank's slices of ``query``, ``key`` and
         ``value`` (``[batch, heads, slice, head_dim]``): ``attend`` runs on whole sequences
         (the hook for a model outside Transformers' registry)."""
+        if not self.lengths or query.shape[2] != self.lengths[0]:
+            raise ConflictError(f"this attention is context-parallel and expects this rank's "
+                                f"slice of {self.lengths[:1] or 'no'} tokens, but was given "
+                                f"{query.shape[2]}: call the model through bundle.step and "
+                                "bundle.predict, which split the batch (a direct model(...) "
+                                "call or generate() gives it whole sequences)")
         return ulysses_attention(query, key, value, attend, self.group)

@@ -167,7 +167,7 @@ class _FusedAttention(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
+        if func is not torch.nn.functional.scaled_dot_product_attention or len(args) < 3:
             return func(*args, **kwargs)
         query, key, value = args[:3]
         if key.shape[-3] != query.shape[-3]:  # grouped-query attention (enable_gqa)

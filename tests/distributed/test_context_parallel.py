@@ -277,7 +277,10 @@ def refusals():
                "left_padding": {"input_ids": torch.ones(2, 16, dtype=torch.long),
                                 "labels": torch.ones(2, 16, dtype=torch.long),
                                 "attention_mask": torch.tensor([[0] * 4 + [1] * 12] * 2)},
-               "no_labels": {"input_ids": torch.ones(2, 16, dtype=torch.long)}}
+               "no_labels": {"input_ids": torch.ones(2, 16, dtype=torch.long)},
+               "packed": {"input_ids": torch.ones(1, 16, dtype=torch.long),
+                          "labels": torch.ones(1, 16, dtype=torch.long),
+                          "position_ids": torch.cat([torch.arange(8), torch.arange(8)])[None]}}
     for name, batch in batches.items():
         try:
             bundle.step(bundle.init(), batch)
@@ -299,7 +302,27 @@ def refusals():
     with torch.no_grad():
         bundle.model.module.model.norm.weight.copy_(before["model.norm.weight"])
     found["unchanged"] = max_param_diff(full_state(bundle.model), before)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import copy
+
+    copy.deepcopy(bundle.model)  # an EMA or reference copy shares the split
+    try:  # a direct call on whole sequences: not split, refused
+        bundle.model(**{k: v for k, v in batch.items() if k != "attention_mask"})
+        found["direct"] = "no error"
+    except ConflictError as exc:
+        found["direct"] = str(exc)
+    from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4))
+    flex = llama()
+    flex.config._attn_implementation = "flex_attention"
+    for name, model in (("encoder", bert), ("flex", flex)):
+        try:
+            sw.pipeline(sw.detect(), sw.context_parallel(size=2))(
+                model, torch.optim.SGD(model.parameters()))
+            found[name] = "no error"
+        except ConflictError as exc:
+            found[name] = str(exc)
 
     three = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=32,
                                          num_hidden_layers=1, num_attention_heads=3,
@@ -313,8 +336,10 @@ def refusals():
 
 
 def test_context_parallel_refuses_what_it_cannot_split():
-    """Lengths, masks and batches it cannot split are refused naming them; a non-finite loss
-    on one rank's slice stops the step on both, with nothing applied."""
+    """Lengths, masks, packed documents and batches it cannot split are refused naming them,
+    as are encoders, flex attention (no mask: bidirectional) and a direct call on whole
+    sequences; a non-finite loss on one rank's slice stops the step on both, with nothing
+    applied; a hooked model can be deep-copied."""
     for found in run_distributed(refusals, world_size=2):
         assert "ConflictError" in found["odd_length"] and "length 15" in found["odd_length"]
         assert "left padding" in found["left_padding"]
@@ -322,6 +347,10 @@ def test_context_parallel_refuses_what_it_cannot_split():
         assert found["nonfinite"].startswith("non-finite gradients at optimizer step 2")
         assert found["unchanged"] == 0
         assert "this model has 3" in found["heads"]  # heads refused before anything is split
+        assert "packed documents" in found["packed"]
+        assert "call the model through bundle.step" in found["direct"]
+        assert "splits causal language models" in found["encoder"]
+        assert "'flex_attention' does not honour" in found["flex"]
 
 
 def test_context_parallel_arguments_are_checked():

@@ -137,8 +137,8 @@ def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Tr
 
     Raises:
         ConfigError: a key given with and without the prefix with different values, a size
-            that is not a positive integer, both cp_size and sp_size, either beside tp_size,
-            a setting of theirs shardwise cannot honour, sizes that do not multiply to the
+            that is not a positive integer, both cp_size and sp_size, a setting of theirs
+            shardwise cannot honour, sizes that do not multiply to the
             world size, a replicate size other than the
             number of nodes, or NO_SHARD with a shard size, naming the keys.
     """

@@ -364,7 +364,8 @@ def _backward(run: StepRun, state: TrainState, batch: Any, *, synced: bool) -> B
             seen = seen + torch.where(count >= 0, count * 0, torch.nan).to(seen.dtype)
         # a new tensor: the window's total is all-reduced in place, the user's must not be
         total = count.clone() if total is None else total + count
-        report = loss.detach() / count.to(loss.dtype)
+        # a micro-batch (or a context-parallel slice) with no labelled token reports 0, not 0/0
+        report = loss.detach() / count.clamp(min=1).to(loss.dtype)
     else:
         report = loss.detach()
         if run.window > 1:

@@ -190,8 +190,7 @@ class ContextSplit:
         if isinstance(labels, torch.Tensor):
             part["num_items_in_batch"] = 1
         out = call_model(model, _for(model, part, batch))
-        local = part[next(k for k in ("input_ids", "inputs_embeds", "labels") if k in part)]
-        length = int(local.shape[1])
+        length = self.lengths[0]  # this rank's slice, as split() cut it
         if isinstance(out, torch.Tensor):
             return self._whole(out, length)
         if not isinstance(out, Mapping):

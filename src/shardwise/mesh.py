@@ -161,7 +161,7 @@ def batch_copies(env: Env, transforms: Iterable[Any]) -> int:
     """Ranks that read each batch under ``transforms``: one ``cp x tp`` block of their mesh
     (1 in one process or without either dimension). The one answer the data split, the
     step's same-batch check and the throughput meter share."""
-    mesh = layout_of(env, [t for t in transforms if t is not None])
+    mesh = layout_of(env, transforms)
     return mesh.copies if mesh is not None else 1
 
 

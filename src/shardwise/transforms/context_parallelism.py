@@ -102,13 +102,13 @@ class ContextParallel(Transform):
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         env = bundle.env
-        size = self.group_size(env)
+        layout = layout_of(env, [self])
+        size = layout.cp if layout is not None else 1
         if not env.is_distributed or size == 1:
             return bundle
         if bundle.context is not None:
             raise ConflictError(f"{self!r}: the bundle splits sequences already")
         ensure_process_group(env)
-        layout = layout_of(env, [self])
         mesh = bundle.mesh if bundle.mesh is not None else build(env, layout) if layout else None
         names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
         if mesh is None or "cp" not in names or int(mesh["cp"].size()) != size:

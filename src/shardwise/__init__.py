@@ -35,6 +35,7 @@ PUBLIC: dict[str, str] = {
     **dict.fromkeys(["Logger", "TensorBoardLogger"], "shardwise.loggers"),
     **dict.fromkeys(["MLflowTracker", "TrackioTracker", "WandbTracker", "register_tracker"],
                     "shardwise.trackers"),
+    **dict.fromkeys(["evaluate"], "shardwise.evaluation"),
     **dict.fromkeys(["fit"], "shardwise.loop"),
     **dict.fromkeys(["MemoryEstimate", "estimate_memory"], "shardwise.memory"),
     **dict.fromkeys(["init_on_meta"], "shardwise.meta_init"),

@@ -23,6 +23,7 @@ from shardwise.distributed import main_process_first as main_process_first
 from shardwise.env import CONFIG_ENV_VAR as CONFIG_ENV_VAR
 from shardwise.env import Env as Env
 from shardwise.env import detect as detect
+from shardwise.evaluation import evaluate as evaluate
 from shardwise.loggers import Logger as Logger
 from shardwise.loggers import TensorBoardLogger as TensorBoardLogger
 from shardwise.loop import fit as fit
@@ -95,6 +96,7 @@ __all__ = [
     "ensure_process_group",
     "errors",
     "estimate_memory",
+    "evaluate",
     "export",
     "find_executable_batch_size",
     "fit",

@@ -179,6 +179,7 @@ def evaluate(bundle):
     return {"loss": loss_sum / tokens, "accuracy": correct / tokens,
             "logits": torch.cat(logits)[order], "samples": len(ids),
             "reduced_sum": sw.reduce(mine, "sum", loader).item(),
+            "evaluated": sw.evaluate(bundle, loader)["loss"],
             "batch_loss": bundle.predict(next(iter(DataLoader(Prompts(), batch_size=3)))).loss.item()}
 
 
@@ -212,6 +213,9 @@ def _same(got, reference):
     mine, theirs = got["metrics"], reference["metrics"]
     assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
     assert mine["accuracy"] == pytest.approx(theirs["accuracy"], rel=1e-6)
+    # sw.evaluate: each labelled token once, padding dropped, slices and copies counted once
+    assert mine["evaluated"] == pytest.approx(theirs["loss"], rel=1e-6)
+    assert theirs["evaluated"] == pytest.approx(theirs["loss"], rel=1e-9)
     assert mine["samples"] == theirs["samples"] == 9  # each sample once, padding dropped
     torch.testing.assert_close(mine["logits"], theirs["logits"], rtol=0, atol=1e-5)
     assert mine["batch_loss"] == pytest.approx(theirs["batch_loss"], rel=1e-6)

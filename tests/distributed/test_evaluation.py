@@ -38,6 +38,12 @@ class Classifier(torch.nn.Module):
         return logits if y is None else torch.nn.functional.cross_entropy(logits, y)
 
 
+def one_process_loss(size):
+    x, y = Labelled(size).x, Labelled(size).y
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(Classifier().net(x), y).item()
+
+
 def one_process_accuracy(size, batch_size):
     model, correct = Classifier(), 0
     for x, y in DataLoader(Labelled(size), batch_size=batch_size):
@@ -60,7 +66,8 @@ def evaluate(parts, size, batch_size):
         seen += len(y)
         labels += y.tolist()
     total = sw.reduce(torch.tensor(float(seen)), op="sum")
-    return {"correct": correct, "seen": seen, "labels": sorted(labels), "dtypes": dtypes,
+    return {"correct": correct, "seen": seen, "evaluated": sw.evaluate(bundle),
+            "labels": sorted(labels), "dtypes": dtypes,
             "batches": len(bundle.eval_loader), "mean_of_sums": float(total),
             "training": bundle.model.training}
 
@@ -83,8 +90,11 @@ def test_metrics_over_padded_shards_equal_one_process_exactly(world, size, batch
         for name, got in rank_results.items():
             assert got["seen"] == size, (name, got["seen"])  # no padded sample counted
             assert got["labels"] == expected_labels, name
+            # sw.evaluate: the mean loss over each sample once, padding cut
+            assert got["evaluated"]["items"] == size, name
             if "bf16" not in name:
                 assert got["correct"] == expected_correct, name
+                assert got["evaluated"]["loss"] == pytest.approx(one_process_loss(size), rel=1e-6)
             else:  # evaluated at the training precision under both engines
                 assert got["dtypes"] == {"torch.bfloat16"}, (name, got["dtypes"])
             assert got["mean_of_sums"] == size * world

@@ -55,6 +55,7 @@ PUBLIC: dict[str, str] = {
     **dict.fromkeys(["local_sgd"], "shardwise.transforms.replica_averaging"),
     **dict.fromkeys(["mixed_precision"], "shardwise.transforms.precision_policy"),
     **dict.fromkeys(["offload"], "shardwise.transforms.offloading"),
+    **dict.fromkeys(["pipeline_parallel"], "shardwise.transforms.pipeline_parallelism"),
     **dict.fromkeys(["place"], "shardwise.transforms.placement"),
     **dict.fromkeys(["replicate"], "shardwise.transforms.replication"),
     **dict.fromkeys(["shard"], "shardwise.transforms.sharding"),

@@ -54,6 +54,7 @@ from shardwise.transforms.context_parallelism import context_parallel as context
 from shardwise.transforms.data_distribution import distribute_data as distribute_data
 from shardwise.transforms.offloading import offload as offload
 from shardwise.transforms.optimizer_sharding import shard_optimizer as shard_optimizer
+from shardwise.transforms.pipeline_parallelism import pipeline_parallel as pipeline_parallel
 from shardwise.transforms.placement import place as place
 from shardwise.transforms.precision_policy import mixed_precision as mixed_precision
 from shardwise.transforms.replica_averaging import local_sgd as local_sgd
@@ -114,6 +115,7 @@ __all__ = [
     "offload",
     "on_shardwise",
     "pipeline",
+    "pipeline_parallel",
     "place",
     "policies",
     "reduce",

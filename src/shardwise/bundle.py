@@ -16,6 +16,7 @@ from shardwise.engines import Engine, LocalEngine
 from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError
 from shardwise.plan import LossFn, Plan
+from shardwise.pp_schedule import PipelineRun
 from shardwise.state import OnNonFinite, StepOutput, TrainState
 from shardwise.step import Stepper, predict
 
@@ -65,6 +66,10 @@ class Bundle:
     context: ContextSplit | None = attrs.field(default=None, repr=False, eq=False)
     """This rank's slice of every sequence under :func:`shardwise.context_parallel` (the step
     and :meth:`predict` split batches with it), else None."""
+    stages: PipelineRun | None = attrs.field(default=None, repr=False, eq=False)
+    """This rank's pipeline stages and their schedule under
+    :func:`shardwise.pipeline_parallel` (the step, :meth:`predict` and ``sw.evaluate`` run
+    batches through it), else None."""
     distributor: Callable[[Any], Any] | None = attrs.field(default=None, repr=False, eq=False)
     """How :func:`shardwise.distribute_data` distributed the loaders (what
     :meth:`distribute` applies to another one); None before it ran."""
@@ -104,14 +109,17 @@ class Bundle:
         The batch is passed as in :meth:`step` (``model(**batch)`` for a mapping,
         ``model(*batch)`` for a tuple or list). Train mode is restored afterwards. Under
         ``context_parallel`` each rank runs its slice and every rank gets the whole output
-        (sequence dimension gathered; ``loss`` the mean over the batch's labelled tokens).
+        (sequence dimension gathered; ``loss`` the mean over the batch's labelled tokens);
+        under ``pipeline_parallel`` the batch runs through the stages and every rank of the
+        group gets the last stage's output (and that loss).
 
         Example:
             >>> for batch in bundle.eval_loader:
             ...     logits = bundle.predict(batch)["logits"]
         """
         return predict(self.model, batch, precision=self.plan.precision, env=self.env,
-                       engine=self.engine, move=self.loader is None, context=self.context)
+                       engine=self.engine, move=self.loader is None, context=self.context,
+                       stages=self.stages)
 
     def init(self) -> TrainState:
         """A fresh :class:`TrainState` at step 0."""
@@ -163,4 +171,5 @@ class Bundle:
         """Derived from the fields alone and holding no progress, so caching it is safe."""
         return Stepper(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                        scaler=self.scaler, loss_fn=self.loss_fn, loader=self.loader,
-                       env=self.env, plan=self.plan, engine=self.engine, context=self.context)
+                       env=self.env, plan=self.plan, engine=self.engine, context=self.context,
+                       stages=self.stages)

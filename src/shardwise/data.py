@@ -389,8 +389,8 @@ def _fingerprint(batch: Any, device: torch.device) -> torch.Tensor:
 
 
 def same_batch(batch: Any, copies: int, device: torch.device) -> None:
-    """Check that the ``copies`` consecutive ranks of each tensor- or context-parallel group
-    (a ``cp x tp`` block of the mesh) were given the
+    """Check that the ``copies`` consecutive ranks of each pipeline-, tensor- or
+    context-parallel group (a ``pp x cp x tp`` block of the mesh) were given the
     same batch (one all-gather and one host read; the step does it on its first call).
 
     Raises:
@@ -404,7 +404,8 @@ def same_batch(batch: Any, copies: int, device: torch.device) -> None:
         group = prints[start:start + copies]
         if any(p != group[0] for p in group[1:]):
             raise DataError(
-                f"ranks {start}..{start + copies - 1} form one tensor-/context-parallel group and must "
+                f"ranks {start}..{start + copies - 1} form one pipeline-/tensor-/context-parallel "
+                "group and must "
                 "be given the same batch, but their first batches differ; iterate "
                 "bundle.loader (split over the data ranks only), or give every rank of a "
                 f"group the batch of data rank rank // {copies}")

@@ -50,6 +50,8 @@ def _causal_lm(model: torch.nn.Module) -> bool:
 def _sum_and_items(bundle: Bundle, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's loss sum over ``batch`` (its slice under context parallelism) and the
     labelled tokens or samples it counts."""
+    if bundle.stages is not None:  # through the stages, shared over the group
+        return bundle.stages.evaluate(batch)
     if bundle.context is not None:
         loss, items = bundle.context.loss(bundle.model, batch, bundle.loss_fn)
         return loss, torch.as_tensor(items)
@@ -101,7 +103,8 @@ def evaluate(bundle: Bundle, loader: Iterable[Any] | None = None) -> dict[str, f
     labelled tokens of a Transformers causal LM (its loss taken as a sum: labels shifted,
     ``-100`` ignored); else the batch's samples (a plain loss is a mean over them). So the
     result is one process's mean over the same data on any layout: data ranks, context
-    parallel (each rank its slice), tensor parallel (each block once). Every rank calls it
+    parallel (each rank its slice), tensor parallel (each block once), pipeline parallel
+    (through the stages). Every rank calls it
     and gets the same result. Runs without gradients, in eval mode, at training precision.
 
     Returns:
@@ -147,6 +150,7 @@ def evaluate(bundle: Bundle, loader: Iterable[Any] | None = None) -> dict[str, f
         model.train(was_training)
     if joined:
         dist.all_reduce(total)
-        total /= bundle.engine.batch_copies(env)  # a tensor-parallel group's ranks: one batch
+        # the ranks of a tensor-parallel group, and the stages of a pipeline: one batch
+        total /= bundle.engine.batch_copies(env) * (bundle.stages.size if bundle.stages else 1)
     loss, items = total.tolist()
     return {"loss": loss / items if items else float("nan"), "items": items}

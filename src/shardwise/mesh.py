@@ -1,6 +1,6 @@
 # The device mesh of a pipeline: its named dimensions, their sizes, and each rank's place in them.
-"""One DeviceMesh per pipeline, with named dimensions (``dp_replicate``, ``dp_shard``, ``cp``,
-``tp``).
+"""One DeviceMesh per pipeline, with named dimensions (``dp_replicate``, ``dp_shard``, ``pp``,
+``cp``, ``tp``).
 
 The layout is decided here and nowhere else: each transform declares the dimensions it runs
 on (:meth:`~shardwise.transforms.base.Transform.mesh_dims`: ``shard()`` the data dimensions,
@@ -10,7 +10,9 @@ estimate and ``explain()`` ask it by name. ``tp`` is the innermost dimension, so
 of one tensor-parallel group are consecutive, on one node when a node holds a multiple of the
 group (their collectives run every layer, the data dimensions' once per step); ``cp``
 (context parallel: each rank a slice of every sequence, an exchange around every attention)
-is next. The ranks of one ``cp x tp`` block read the same batch.
+is next, then ``pp`` (pipeline parallel: each rank the layers of its stages, activations
+sent to the next stage's rank). The ranks of one ``pp x cp x tp`` block read the same batch
+(the first stage its inputs, the last its labels).
 """
 
 from __future__ import annotations
@@ -54,9 +56,15 @@ class MeshLayout:
         return self.size("cp")
 
     @property
+    def pp(self) -> int:
+        """Ranks each pipeline-parallel group spans (each holds the layers of its stages)."""
+        return self.size("pp")
+
+    @property
     def copies(self) -> int:
-        """Ranks that read each batch: one context- and tensor-parallel block (``cp x tp``)."""
-        return self.cp * self.tp
+        """Ranks that read each batch: one pipeline-, context- and tensor-parallel block
+        (``pp x cp x tp``)."""
+        return self.pp * self.cp * self.tp
 
     @property
     def data_names(self) -> tuple[str, ...]:
@@ -64,12 +72,12 @@ class MeshLayout:
         return tuple(name for name, _ in self.dims if name.startswith("dp_"))
 
     def data_ranks(self, world_size: int) -> int:
-        """Ranks that read different batches: the world over the ``cp x tp`` blocks."""
+        """Ranks that read different batches: the world over the ``pp x cp x tp`` blocks."""
         return world_size // self.copies
 
     def data_rank(self, rank: int) -> int:
-        """Which batch share ``rank`` reads: the ranks of one ``cp x tp`` block (consecutive,
-        ``cp`` and ``tp`` innermost) read the same one."""
+        """Which batch share ``rank`` reads: the ranks of one ``pp x cp x tp`` block
+        (consecutive, innermost) read the same one."""
         return rank // self.copies
 
     def describe(self) -> str:
@@ -83,10 +91,11 @@ def tp_size(env: Env, asked: int | None) -> int:
 
 
 def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
-           asked: str | None = None, with_tp: bool = True, cp: int | None = None) -> MeshLayout:
+           asked: str | None = None, with_tp: bool = True, cp: int | None = None,
+           pp: int | None = None) -> MeshLayout:
     """The mesh for ``env`` with tensor-parallel groups of ``tp`` ranks (and context-parallel
-    groups of ``cp``), the rest data parallel (replicated across nodes and sharded within
-    one, when asked).
+    groups of ``cp``, pipeline-parallel groups of ``pp``), the rest data parallel
+    (replicated across nodes and sharded within one, when asked).
 
     Args:
         env: the ranks.
@@ -95,6 +104,7 @@ def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
         asked: how the size was asked for, for messages (default ``size=<tp>``).
         with_tp: a ``tp`` dimension (of size ``tp``); without one, the data dimensions only.
         cp: ranks per context-parallel group: a ``cp`` dimension (None: none).
+        pp: ranks per pipeline-parallel group: a ``pp`` dimension (None: none).
 
     Raises:
         EnvError: the world (or a node) does not divide into the groups asked for.
@@ -108,9 +118,11 @@ def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
         raise EnvError(f"tensor_parallel({asked or f'size={tp}'}) must divide the world size {world} (the "
                        "ranks left over form the data-parallel dimensions); launch a multiple "
                        f"of {tp} processes, or pass a size that divides {world}")
-    block = tp * (cp or 1)
-    if cp is not None and (cp < 1 or world % block):
-        raise EnvError(f"context_parallel(size={cp}) x tensor_parallel(size={tp}) must divide "
+    block = tp * (cp or 1) * (pp or 1)
+    if (cp is not None or pp is not None) and ((cp or 1) < 1 or (pp or 1) < 1 or world % block):
+        parts = [f"{name}(size={size})" for name, size in (
+            ("pipeline_parallel", pp), ("context_parallel", cp)) if size is not None]
+        raise EnvError(f"{' x '.join([*parts, f'tensor_parallel(size={tp})'])} must divide "
                        f"the world size {world} (the ranks left over form the data-parallel "
                        f"dimensions); launch a multiple of {block} processes, or pass sizes "
                        f"whose product divides {world}")
@@ -124,12 +136,14 @@ def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
                 f"same number of ranks on every node, numbered node by node, a multiple of the "
                 f"tensor-parallel size (got world_size={world}, num_nodes={env.num_nodes}, "
                 f"local_world_size={per_node}, rank={env.rank}, node_rank={env.node_rank}, "
-                f"local_rank={env.local_rank}, tp={tp}, cp={cp or 1}); launch an equal number of processes "
-                "per node, or pass shard() a mesh of your own")
+                f"local_rank={env.local_rank}, tp={tp}, cp={cp or 1}, pp={pp or 1}); launch an "
+                "equal number of processes per node, or pass shard() a mesh of your own")
         dims.append(("dp_replicate", env.num_nodes))
         dims.append(("dp_shard", per_node // block))
     else:
         dims.append(("dp_shard", world // block))
+    if pp is not None:
+        dims.append(("pp", pp))
     if cp is not None:
         dims.append(("cp", cp))
     if with_tp:
@@ -153,12 +167,16 @@ def layout_of(env: Env, transforms: Iterable[Any]) -> MeshLayout | None:
     cp = None
     if "cp" in asked:  # None: the ranks of a node the tensor-parallel groups leave
         cp = asked["cp"] if asked["cp"] is not None else max(1, env.local_world_size // tp)
+    pp = None
+    if "pp" in asked:  # None: the ranks of a node the other groups leave
+        pp = asked["pp"] if asked["pp"] is not None else max(1, env.local_world_size // (
+            tp * (cp or 1)))
     return layout(env, tp=tp, replicate_across_nodes="dp_replicate" in asked, asked=how,
-                  with_tp=with_tp, cp=cp)
+                  with_tp=with_tp, cp=cp, pp=pp)
 
 
 def batch_copies(env: Env, transforms: Iterable[Any]) -> int:
-    """Ranks that read each batch under ``transforms``: one ``cp x tp`` block of their mesh
+    """Ranks that read each batch under ``transforms``: one ``pp x cp x tp`` block of their mesh
     (1 in one process or without either dimension). The one answer the data split, the
     step's same-batch check and the throughput meter share."""
     mesh = layout_of(env, transforms)

@@ -136,10 +136,14 @@ class Pipeline:
                 optimizer: torch.optim.Optimizer | None = None, *, batch: Any = None,
                 loader: Iterable[Any] | None = None) -> str:
         """What the pipeline will do, stage by stage, with each setting and why defaults were
-        chosen; given a model, the default distribution is chosen for it first (:meth:`resolve`).
+        chosen; given a model, the default distribution is chosen for it first (:meth:`resolve`)
+        and, under ``pipeline_parallel``, the layers and parameters of each stage are named.
         """
         if model is not None:
             text = self.resolve(model, optimizer, batch=batch, loader=loader).explain()
+            staged = next((t for t in self.transforms if "pp" in t.mesh_dims()), None)
+            if staged is not None and self.env.is_distributed:  # where this model is cut
+                text += f"\n  stages: {staged.split_for(model, self.env).describe()}"  # type: ignore[attr-defined]
             if optimizer is not None:
                 text += f"\n  optimizer: {self._kernel(model, optimizer)}"
             return text

@@ -38,6 +38,8 @@ class Plan:
             split, ``shard()`` and the memory estimate read (None: no tensor parallelism).
         context_parallel: the ``context_parallel`` transform, whose size the data split and
             ``shard()`` read (None: whole sequences on every rank).
+        pipeline_parallel: the ``pipeline_parallel`` transform, whose size the data split,
+            the step and ``explain()`` read (None: every rank holds every layer).
         local_sgd_every: local SGD: gradients stay on each rank and the replicas' parameters
             are averaged every this many optimizer steps (None: gradients averaged each step).
         applied: the transforms applied so far, in order.
@@ -52,11 +54,14 @@ class Plan:
     offload: bool = False
     tensor_parallel: Any = None
     context_parallel: Any = None
+    pipeline_parallel: Any = None
     local_sgd_every: int | None = None
     applied: tuple[Any, ...] = ()
 
     @property
     def splitting(self) -> tuple[Any, ...]:
-        """The transforms that give several ranks one batch (``tensor_parallel``,
-        ``context_parallel``), those in the plan: what the mesh's ``cp x tp`` block is."""
-        return tuple(t for t in (self.tensor_parallel, self.context_parallel) if t is not None)
+        """The transforms that give several ranks one batch (``pipeline_parallel``,
+        ``tensor_parallel``, ``context_parallel``), those in the plan: what the mesh's
+        ``pp x cp x tp`` block is."""
+        return tuple(t for t in (self.pipeline_parallel, self.tensor_parallel,
+                                 self.context_parallel) if t is not None)

@@ -21,6 +21,7 @@ from shardwise.env import Env
 from shardwise.errors import NonFiniteError, OptimizerError
 from shardwise.mesh import batch_copies
 from shardwise.plan import LossFn, Plan
+from shardwise.pp_schedule import PipelineRun
 from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
 from shardwise.throughput import batch_counts
 
@@ -35,13 +36,17 @@ def forward_autocast(engine: Engine, precision: precisions.Precision, device: to
 
 
 def predict(model: torch.nn.Module, batch: Any, *, precision: precisions.Precision, env: Env,
-            engine: Engine, move: bool = False, context: ContextSplit | None = None) -> Any:
+            engine: Engine, move: bool = False, context: ContextSplit | None = None,
+            stages: PipelineRun | None = None) -> Any:
     """The model's output without gradients, in eval mode, at the training precision (under
-    context parallelism: each rank its slice, the outputs gathered whole)."""
+    context parallelism: each rank its slice, the outputs gathered whole; under pipeline
+    parallelism: through the stages, the last one's output on every rank)."""
     if move and env.device.type != "cpu":
         batch = to_device(batch, env.device)
     autocast = forward_autocast(engine, precision, env.device)
     run = call_model if context is None else context.predict
+    if stages is not None:
+        run = lambda model, batch: stages.predict(batch)  # noqa: E731
     was_training = model.training
     model.eval()
     try:
@@ -68,7 +73,7 @@ class Stepper:
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  scheduler: Any, scaler: torch.amp.GradScaler | None, loss_fn: LossFn | None,
                  loader: Any, env: Env, plan: Plan, engine: Engine,
-                 context: ContextSplit | None = None) -> None:
+                 context: ContextSplit | None = None, stages: PipelineRun | None = None) -> None:
         if optimizer is None:
             raise OptimizerError("step() needs an optimizer: pass one to the pipeline call")
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -88,7 +93,9 @@ class Stepper:
             autocast=forward_autocast(engine, plan.precision, env.device), params=params,
             param_device=engine.local(params[0]).device if params else env.device,
             copies=batch_copies(env, plan.splitting) if joined else 1,
-            synced=engine.gradient_ranks(env) * copies if joined else 1)
+            # each stage of a pipeline counts the batch's tokens (shared over the group)
+            synced=engine.gradient_ranks(env) * copies * (stages.size if stages else 1)
+            if joined else 1, stages=stages)
         self.engine = engine
         self.loader = loader if isinstance(loader, DeviceLoader) else None
         # batches per epoch of bundle.loader (None: unknown, no epoch ends are seen)

@@ -55,7 +55,9 @@ def parts_of(bundle: Bundle) -> dict[str, Any]:
     return {
         "optimizer": None if optimizer is None else {
             "class": _qualified(optimizer),
-            "groups": [len(group["params"]) for group in optimizer.param_groups]},
+            # a pipeline stage's optimizer holds its part: the whole model's counts are recorded
+            "groups": list(bundle.stages.group_sizes) if bundle.stages is not None
+            else [len(group["params"]) for group in optimizer.param_groups]},
         "scheduler": None if scheduler is None else {"class": _qualified(scheduler)},
         "scaler": bundle.scaler is not None,
     }

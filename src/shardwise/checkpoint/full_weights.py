@@ -36,6 +36,26 @@ def _gathered(model: torch.nn.Module, engine: Engine, main: bool,
     return out
 
 
+def _from_stages(tensors: dict[str, torch.Tensor], bundle: Bundle) -> dict[str, torch.Tensor]:
+    """Under ``pipeline_parallel``: every stage's tensors on the main rank (each rank holds
+    its stages' part of the model), in the order of the stages; the others get nothing."""
+    import torch.distributed as dist
+
+    stages = bundle.stages
+    if stages is None:
+        return tensors
+    main = dist.get_global_rank(stages.group, 0)
+    parts: list[Any] = [None] * stages.size if bundle.env.rank == main else []
+    dist.gather_object(tensors, parts if bundle.env.rank == main else None, dst=main,
+                       group=stages.group)
+    if bundle.env.rank != main:
+        return {}
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Copies for tensors that share memory (tied weights): safetensors stores each once."""
     seen: set[tuple[int, int]] = set()
@@ -65,7 +85,8 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *,
            dtype: torch.dtype | None = None) -> Path:
     """Write ``bundle.model``'s full state as ``path/model.safetensors``; every rank calls it.
 
-    Sharded parameters are gathered one at a time and kept on rank 0's CPU only; names
+    Sharded parameters are gathered one at a time and kept on rank 0's CPU only (pipeline
+    stages send their parts to it); names
     carry no wrapper prefixes, so ``model.load_state_dict(..., strict=True)`` on the plain
     model works. A model with a ``config`` (Transformers) also gets ``config.json`` (and
     ``generation_config.json`` when it has one), so ``from_pretrained(path)`` reads the
@@ -87,7 +108,10 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *,
     """
     env, out = bundle.env, Path(path)
     bundle.engine.synchronise_replicas(bundle.model, bundle.optimizer)  # local SGD: one model
-    tensors = _gathered(bundle.model, bundle.engine, env.is_main, dtype)
+    # a pipeline stage keeps its own part, sent to the main rank below
+    tensors = _gathered(bundle.model, bundle.engine, env.is_main or bundle.stages is not None,
+                        dtype)
+    tensors = _from_stages(tensors, bundle)
     problem = ""
     if env.is_main:
         try:

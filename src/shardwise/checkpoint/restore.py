@@ -138,12 +138,13 @@ def _flat_shapes(target: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _fit_problems(reader: SafeReader, target: dict[str, Any], partial_optimizer: bool
-                  ) -> list[str]:
+def _fit_problems(reader: SafeReader, target: dict[str, Any], partial_optimizer: bool,
+                  elsewhere: frozenset[str] = frozenset()) -> list[str]:
     """Missing and unexpected keys and shape mismatches, in one line; [] when it fits.
 
     With ``partial_optimizer`` (ZeRO-1, or a bundle without an optimizer, e.g. for
-    evaluation) optimizer keys this rank does not load are expected.
+    evaluation) optimizer keys this rank does not load are expected; so are the keys in
+    ``elsewhere`` (another pipeline stage's).
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -151,7 +152,7 @@ def _fit_problems(reader: SafeReader, target: dict[str, Any], partial_optimizer:
              if isinstance(v, TensorStorageMetadata)}
     wanted = _flat_shapes(target)
     missing = sorted(set(wanted) - set(saved))
-    unexpected = sorted(k for k in set(saved) - set(wanted)
+    unexpected = sorted(k for k in set(saved) - set(wanted) - elsewhere
                         if not (partial_optimizer and k.startswith("optimizer.")))
     shapes = [f"{k}: checkpoint {saved[k]}, model {wanted[k]}"
               for k in sorted(set(saved) & set(wanted)) if saved[k] != wanted[k]]
@@ -176,8 +177,24 @@ def check_tensors(path: Path, bundle: Bundle, optimizer: torch.optim.Optimizer |
         return []
     with _no_gradients(bundle.model, optimizer, keep=False):  # nothing may change yet
         model_sd, tensors, _ = engine.state_dicts(bundle.model, optimizer)
-        return _fit_problems(SafeReader(path), {"model": model_sd, "optimizer": tensors},
-                             engine.partial_optimizer or optimizer is None)
+        target = {"model": model_sd, "optimizer": tensors}
+        return _fit_problems(SafeReader(path), target,
+                             engine.partial_optimizer or optimizer is None,
+                             _other_stages(bundle, target))
+
+
+def _other_stages(bundle: Bundle, target: dict[str, Any]) -> frozenset[str]:
+    """The keys the other ranks of this rank's pipeline group load (each holds its stages'
+    part of the model and optimizer): a collective over the group; none without stages."""
+    stages = bundle.stages
+    if stages is None:
+        return frozenset()
+    import torch.distributed as dist
+
+    keys = sorted(_flat_shapes(target))
+    every: list[Any] = [None] * stages.size
+    dist.all_gather_object(every, keys, group=stages.group)
+    return frozenset(k for theirs in every for k in theirs)
 
 
 def load_own(path: Path, bundle: Bundle, meta: dict[str, Any]) -> None:
@@ -222,7 +239,8 @@ def load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any],
         # read into copies: the model and optimizer change only once every tensor was read
         target = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
                           {"model": model_sd, "optimizer": tensors})
-        problems = _fit_problems(reader, target, engine.partial_optimizer or optimizer is None)
+        problems = _fit_problems(reader, target, engine.partial_optimizer or optimizer is None,
+                                 _other_stages(bundle, target))
         if problems:  # checked before the load began; a file changed since
             raise CheckpointError(f"checkpoint {path} does not fit this bundle: {problems[0]}")
         try:

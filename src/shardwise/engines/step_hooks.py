@@ -31,6 +31,7 @@ from torch import nn
 
 from shardwise._params import is_dtensor
 from shardwise.device_skip import defer, ready_to_skip, skips_on_device
+from shardwise.engines.grad_norm import clip_across_meshes
 from shardwise.env import Env
 from shardwise.errors import LossError, NonFiniteError
 from shardwise.plan import LossFn, Plan
@@ -61,10 +62,14 @@ class StepRun:
     params: list[torch.Tensor]
     #: where the optimizer updates (the CPU under offload): the flag it takes must be there
     param_device: torch.device
-    #: ranks that read each batch (a cp x tp block: checked at the first step), and the
-    #: ranks the step's collectives run over (gradient ranks × tensor-parallel copies)
+    #: ranks that read each batch (a pp x cp x tp block: checked at the first step), and
+    #: the ranks the step's collectives run over (gradient ranks × tensor-parallel copies ×
+    #: pipeline stages)
     copies: int
     synced: int
+    #: this rank's pipeline stages (``pipeline_parallel``): the batch runs through their
+    #: schedule, forward and backward together; None without
+    stages: Any = None
     units: dict[torch.device, torch.Tensor] = attrs.Factory(dict)
     phase: str = ""
 
@@ -310,7 +315,9 @@ class StepHooks:
         """
         plan = run.plan
         if plan.max_grad_norm is not None:
-            norm = self.clip(run.params, plan.max_grad_norm, plan.norm_type)
+            norm = self.clip(run.params, plan.max_grad_norm, plan.norm_type) if run.stages is None \
+                else clip_across_meshes(run.params, plan.max_grad_norm, plan.norm_type,
+                                        stages=run.stages.size)
             bad = ~torch.isfinite(norm) | ~torch.isfinite(losses).to(norm.device)
             flag = bad.to(run.env.device if run.synced > 1 else norm.device, torch.float32)
             if run.synced > 1:  # on the backend's device (NCCL), also for offloaded gradients
@@ -342,11 +349,12 @@ def _backward(run: StepRun, state: TrainState, batch: Any, *, synced: bool) -> B
     """Forward and backward of one micro-batch: the loss to report, the window's item count
     and form, and the window's sum of losses (non-finite when a loss or a count was), this
     one counted."""
-    if run.autocast is None:
-        loss, items = forward(run, batch)
+    run_batch = forward if run.stages is None else lambda run, batch: run.stages.train(batch)
+    if run.autocast is None:  # under pipeline_parallel the schedule runs backward too
+        loss, items = run_batch(run, batch)
     else:
         with run.autocast():
-            loss, items = forward(run, batch)
+            loss, items = run_batch(run, batch)
     weighted = items is not None
     if state.window_weighted is not None and state.window_weighted != weighted:
         raise LossError("loss_fn returned (loss_sum, num_items) for some micro-batches of a "
@@ -370,9 +378,10 @@ def _backward(run: StepRun, state: TrainState, batch: Any, *, synced: bool) -> B
         report = loss.detach()
         if run.window > 1:
             loss = loss / run.window
-    if run.scaler is not None:
-        loss = run.scaler.scale(loss)
-    loss.backward()
+    if run.stages is None:
+        if run.scaler is not None:
+            loss = run.scaler.scale(loss)
+        loss.backward()
     if state.window_losses is not None:
         seen = seen + state.window_losses.to(seen.device)
     return Backward(report, total, weighted, seen, synced)

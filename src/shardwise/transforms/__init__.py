@@ -17,6 +17,7 @@ from shardwise.transforms.context_parallelism import ContextParallel, context_pa
 from shardwise.transforms.data_distribution import DistributeData, distribute_data
 from shardwise.transforms.offloading import Offload, offload
 from shardwise.transforms.optimizer_sharding import ShardOptimizer, shard_optimizer
+from shardwise.transforms.pipeline_parallelism import PipelineParallel, pipeline_parallel
 from shardwise.transforms.placement import Place, place
 from shardwise.transforms.precision_policy import MixedPrecision, mixed_precision
 from shardwise.transforms.replica_averaging import LocalSGD, local_sgd
@@ -27,11 +28,12 @@ from shardwise.transforms.tensor_parallelism import TensorParallel, tensor_paral
 __all__ = [
     "AccumulateGradients", "CheckpointActivations", "ClipGradients", "Compile", "ContextParallel",
     "DistributeData",
-    "LocalSGD", "MixedPrecision", "Offload", "Place", "Replicate", "Shard", "ShardOptimizer", "Stage",
+    "LocalSGD", "MixedPrecision", "Offload", "PipelineParallel", "Place", "Replicate", "Shard",
+    "ShardOptimizer", "Stage",
     "TensorParallel",
     "Transform",
     "accumulate_gradients", "checkpoint_activations", "clip_gradients", "compile", "context_parallel",
     "distribute_data", "local_sgd",
-    "mixed_precision", "offload", "place", "replicate", "shard", "shard_optimizer",
+    "mixed_precision", "offload", "pipeline_parallel", "place", "replicate", "shard", "shard_optimizer",
     "tensor_parallel",
 ]

@@ -89,8 +89,8 @@ class DistributeData(Transform):
 
     @staticmethod
     def mesh(env: Env, plan: Plan) -> MeshLayout | None:
-        """The mesh whose data ranks split the data: a tensor- or context-parallel one (else
-        None: all ranks read different shares)."""
+        """The mesh whose data ranks split the data: a pipeline-, tensor- or context-parallel
+        one (else None: all ranks read different shares)."""
         return layout_of(env, plan.splitting) if plan.splitting else None
 
     def describe_in(self, env: Env, plan: Plan) -> str:
@@ -98,7 +98,7 @@ class DistributeData(Transform):
         if mesh is None:
             return self.describe(env)
         copies, shares = mesh.copies, mesh.data_ranks(env.world_size)
-        block = " x ".join(f"{name}={size}" for name, size in mesh.dims if name in ("cp", "tp"))
+        block = " x ".join(f"{name}={size}" for name, size in mesh.dims if name in ("pp", "cp", "tp"))
         return (f"DistributedSampler over the {shares} data ranks: each {block} block "
                 f"of {copies} reads the same 1/{shares} (checked at the first step), seed "
                 f"{self.seed}, set_epoch every epoch; {self._move(env)}")

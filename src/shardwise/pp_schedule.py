@@ -1,0 +1,270 @@
+# PipelineRun: one rank's stages under a torch.distributed.pipelining schedule, for train and eval.
+"""What ``pipeline_parallel`` does with a batch on one rank.
+
+Every rank of a pipeline group is given the same batch: the first stage runs its inputs, the
+last computes the loss from its labels (shifted before the batch is cut into microbatches,
+as a Transformers causal LM shifts them), as a sum over labelled tokens with their count.
+torch's schedule runs the microbatches' forwards and backwards across the stages
+(``scale_grads=False``: gradients are sums), and the sum and count are shared over the group,
+so every stage reports the same loss and the step weighs the tokens as it weighs any
+``(loss_sum, num_items)``. A schedule and its stages are built for each shape of
+microbatch met (torch's stages fix their buffers' shapes at their first step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.errors import ConflictError, LossError
+
+__all__ = ["SCHEDULES", "PipelineRun", "stages_on", "bubble", "IGNORE"]
+
+#: the label that marks a position no loss is computed for
+IGNORE = -100
+#: every schedule torch offers, by the name ``pipeline_parallel(schedule=...)`` takes
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+             "ZBVZeroBubble", "DualPipeV")
+#: the schedules that run several stages on each rank
+MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: the ones whose two stages per rank make a V (rank r: stages r and 2p - 1 - r)
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+#: the ones that fill the bubble with weight-gradient work (backward split in two)
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+Loss = Callable[[Any, Any], Any]
+
+
+def stages_on(schedule: str, rank: int, size: int, per_rank: int) -> list[int]:
+    """The stages rank ``rank`` of a group of ``size`` holds: looped (r, r + p, ...) or, for
+    the V-shaped schedules, r and 2p - 1 - r."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * size - 1 - rank]
+    return [rank + k * size for k in range(per_rank)]
+
+
+def bubble(schedule: str, size: int, per_rank: int, microbatches: int) -> float:
+    """The schedule's theoretical idle fraction per rank with equal stage times: (p - 1) /
+    (v·m + p - 1) for v stages per rank; a zero-bubble schedule fills most of it with
+    weight-gradient work (this is the bound before that filling)."""
+    return (size - 1) / (per_rank * microbatches + size - 1)
+
+
+def causal_lm_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transformers' causal LM loss as a sum over the labelled tokens, with their count
+    (``target`` already shifted)."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten().to(logits.device),
+                           ignore_index=IGNORE, reduction="sum")
+    return loss, (target != IGNORE).sum()
+
+
+def _sum_and_count(result: Any, target: Any) -> tuple[torch.Tensor, Any]:
+    if isinstance(result, tuple) and len(result) == 2:
+        return result[0], result[1]
+    if isinstance(result, torch.Tensor) and result.ndim == 0:
+        items = len(target) if isinstance(target, torch.Tensor) and target.ndim else 1
+        return result * items, items  # a mean over the microbatch's samples
+    raise LossError(f"pipeline_parallel's loss must return a scalar loss (the mean over the "
+                    f"microbatch's samples) or (loss_sum, num_items); got {type(result).__name__}")
+
+
+@attrs.define(eq=False)
+class PipelineRun:
+    """One rank's stages of a pipeline and the schedule that runs them.
+
+    Attributes:
+        group: the pipeline group's process group.
+        rank: this rank's place in it.
+        size: ranks in the group.
+        schedule: the schedule's name (:data:`SCHEDULES`).
+        microbatches: microbatches each batch is cut into.
+        stages: the stage indices this rank holds.
+        modules: the module each of those stages runs.
+        total: stages in the pipeline.
+        kind: "decoder" (batches of input_ids, labels, attention_mask) or "sequential"
+            (batches ``(inputs, target)``).
+        loss: ``loss(output, target)`` on the last stage (None: Transformers' causal LM loss).
+        device: where the stages run.
+        group_sizes: each optimizer param group's parameters before the model was cut.
+    """
+
+    group: Any = attrs.field(repr=False)
+    rank: int
+    size: int
+    schedule: str
+    microbatches: int
+    stages: list[int]
+    modules: list[nn.Module] = attrs.field(repr=False)
+    total: int
+    kind: str
+    loss: Loss | None = attrs.field(default=None, repr=False)
+    device: torch.device = torch.device("cpu")
+    #: parameters in each optimizer param group before the model was cut (what a checkpoint
+    #: records, so that it loads at another layout)
+    group_sizes: list[int] = attrs.field(factory=list)
+    _built: dict[Any, Any] = attrs.field(factory=dict, repr=False)
+    _counts: list[torch.Tensor] = attrs.field(factory=list, repr=False)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PipelineRun:
+        return self  # process groups and stages cannot be copied
+
+    # -- the batch ------------------------------------------------------------------------
+
+    def parts(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """The first stage's inputs, the keyword inputs every stage takes, and the target.
+
+        Raises:
+            ConflictError: a batch this pipeline cannot route, naming what it accepts.
+        """
+        if self.kind == "sequential":
+            if not isinstance(batch, (tuple, list)) or len(batch) not in (1, 2):
+                raise ConflictError(f"pipeline_parallel of an nn.Sequential takes batches "
+                                    f"(inputs, target) or (inputs,); got a "
+                                    f"{type(batch).__name__}")
+            return (batch[0],), {}, batch[1] if len(batch) == 2 else None
+        if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
+            raise ConflictError(f"pipeline_parallel of a Transformers decoder takes mapping "
+                                f"batches with 'input_ids' (and 'labels', 'attention_mask'); "
+                                f"got a {type(batch).__name__}")
+        other = sorted(set(batch) - {"input_ids", "labels", "attention_mask"})
+        if other:
+            raise ConflictError(f"pipeline_parallel routes 'input_ids' to the first stage, "
+                                f"'attention_mask' to every stage and 'labels' to the last; this "
+                                f"batch also has {other}, which no stage would be given")
+        mask = batch.get("attention_mask")
+        labels = batch.get("labels")
+        target = None
+        if isinstance(labels, torch.Tensor):  # shifted before the cut, as the model shifts
+            target = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], 1)
+        return (batch["input_ids"],), ({"attention_mask": mask} if mask is not None else {}), \
+            target
+
+    def _check_divides(self, args: tuple[Any, ...]) -> None:
+        size = int(args[0].shape[0])
+        if size % self.microbatches:
+            raise ConflictError(f"pipeline_parallel cuts each batch into {self.microbatches} "
+                                f"microbatches; a batch of {size} samples does not divide: use a "
+                                f"batch size that is a multiple of {self.microbatches}, or "
+                                "another microbatches=")
+
+    # -- the schedule ---------------------------------------------------------------------
+
+    def _loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        result = causal_lm_loss(output, target) if self.loss is None else self.loss(output, target)
+        loss, items = _sum_and_count(result, target)
+        self._counts.append(torch.as_tensor(items, device=loss.device, dtype=torch.float64))
+        return loss
+
+    def _schedule(self, args: tuple[Any, ...], kwargs: dict[str, Any], with_loss: bool) -> Any:
+        """The schedule for microbatches shaped as these, built once per shape."""
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        shapes = tuple((tuple(v.shape), v.dtype) for v in [*args, *kwargs.values()]
+                       if isinstance(v, torch.Tensor))
+        key = (shapes, with_loss)
+        if key not in self._built:
+            cls = getattr(torch_schedules, f"Schedule{self.schedule}")
+            stages = [PipelineStage(module, index, self.total, self.device, group=self.group)
+                      for module, index in zip(self.modules, self.stages, strict=True)]
+            self._built[key] = cls(stages if self.schedule in MULTI else stages[0],
+                                   n_microbatches=self.microbatches,
+                                   loss_fn=self._loss if with_loss else None, scale_grads=False)
+        return self._built[key]
+
+    def _shared(self, losses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's loss sum and count, on every rank of the group (only the rank of the
+        last stage computed them)."""
+        pair = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if losses:
+            pair[0] = torch.stack([loss.detach().double() for loss in losses]).sum()
+            # the counts of these losses: a stage's first run also computes a loss to learn
+            # its shapes, whose count comes first
+            pair[1] = torch.stack(self._counts[-len(losses):]).sum().to(pair.device)
+        self._counts.clear()
+        dist.all_reduce(pair, group=self.group)
+        return pair[0], pair[1]
+
+    def train(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of ``batch`` through the pipeline (gradients summed into
+        this rank's parameters); the batch's loss sum and labelled-token count."""
+        args, kwargs, target = self.parts(batch)
+        if target is None:
+            raise LossError("pipeline_parallel computes the loss on the last stage from the "
+                            "batch's labels, which this batch lacks")
+        self._check_divides(args)
+        losses: list[torch.Tensor] = []
+        self._counts.clear()
+        self._schedule(args, kwargs, True).step(*args, target=target, losses=losses,
+                                                return_outputs=False, **kwargs)
+        return self._shared(losses)
+
+    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """The whole batch's output, forward only: on the rank of the last stage (None on
+        the others)."""
+        if self.schedule in V_SHAPED:
+            raise ConflictError(f"pipeline_parallel(schedule={self.schedule!r}) cannot evaluate "
+                                "or predict: torch's runtime for its V-shaped stages checks that "
+                                "every microbatch runs backward, and has no forward-only pass; "
+                                "train with it, evaluate with a checkpoint under another "
+                                "schedule (or in one process)")
+        self._check_divides(args)
+        out = self._schedule(args, kwargs, False).step(*args, **kwargs)
+        return out if isinstance(out, torch.Tensor) else None
+
+    def evaluate(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss sum and count of ``batch``, forward only, on every rank of the group."""
+        args, kwargs, target = self.parts(batch)
+        if target is None:
+            raise LossError("pipeline_parallel evaluates the loss from the batch's labels, "
+                            "which this batch lacks")
+        out = self._forward(args, kwargs)
+        losses: list[torch.Tensor] = []
+        self._counts.clear()
+        if out is not None:
+            losses.append(self._loss(out, target))
+        return self._shared(losses)
+
+    def predict(self, batch: Any) -> Any:
+        """The whole model's output for ``batch`` on every rank of the group (forward only):
+        logits, and for a decoder batch with labels the loss (the mean over its labelled
+        tokens) in a Transformers ``CausalLMOutputWithPast``."""
+        args, kwargs, target = self.parts(batch)
+        out = self._forward(args, kwargs)
+        holder = dist.get_global_rank(self.group, self._last_rank())
+        header = torch.zeros(9, dtype=torch.int64, device=self.device)  # dtype, ndim, shape
+        if out is not None:
+            header[0], header[1] = _DTYPES.index(out.dtype), out.ndim
+            header[2:2 + out.ndim] = torch.tensor(out.shape)
+        dist.broadcast(header, src=holder, group=self.group)
+        if out is None:
+            ndim = int(header[1])
+            out = torch.empty(tuple(header[2:2 + ndim].tolist()), dtype=_DTYPES[int(header[0])],
+                              device=self.device)
+        dist.broadcast(out, src=holder, group=self.group)
+        if self.kind == "sequential":
+            return out
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        loss = None
+        if target is not None:
+            total, count = causal_lm_loss(out, target)
+            loss = total / count.clamp(min=1)
+        return CausalLMOutputWithPast(loss=loss, logits=out)
+
+    def _last_rank(self) -> int:
+        """The group rank that holds the last stage."""
+        for rank in range(self.size):
+            if self.total - 1 in stages_on(self.schedule, rank, self.size, len(self.stages)):
+                return rank
+        raise AssertionError("no rank holds the last stage")
+
+
+#: the dtypes an output is sent as between ranks (its index in this tuple)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -1,0 +1,265 @@
+# pipeline_parallel(): each rank holds the layers of its stages; torch's schedules run microbatches.
+"""Pipeline parallelism on the ``pp`` dimension of the pipeline's mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import attrs
+from torch import nn
+
+from shardwise._params import refuse_state, unwrap
+from shardwise._text import short
+from shardwise.bundle import Bundle
+from shardwise.distributed import ensure_process_group
+from shardwise.env import Env
+from shardwise.errors import ArgumentError, ConflictError
+from shardwise.mesh import build, layout_of
+from shardwise.meta_init import is_rank0_weights
+from shardwise.plan import Plan
+from shardwise.pp_schedule import (
+    MULTI,
+    SCHEDULES,
+    V_SHAPED,
+    ZERO_BUBBLE,
+    PipelineRun,
+    bubble,
+    stages_on,
+)
+from shardwise.pp_stages import StageSplit, check_views, decoder_parts, prune, split_of, stage_modules
+from shardwise.transforms.base import Stage, Transform
+
+__all__ = ["PipelineParallel", "pipeline_parallel"]
+
+
+def _positive(name: str, upper: int) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= upper):
+            raise ArgumentError(f"pipeline_parallel() '{name}' must be None or an integer in "
+                                f"[1, {upper}] (got {short(value)})")
+    return check
+
+
+def _schedule(instance: Any, attribute: Any, value: Any) -> None:
+    if value not in SCHEDULES:
+        raise ArgumentError(f"pipeline_parallel() 'schedule' must be one of {', '.join(SCHEDULES)} "
+                            f"(got {short(value)})")
+
+
+def _split(instance: Any, attribute: Any, value: Any) -> None:
+    if value == "auto":
+        return
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or \
+            not all(isinstance(name, str) for name in value):
+        raise ArgumentError(f"pipeline_parallel() 'split' must be 'auto' or a list of the layer "
+                            f"names where stages 1, 2, ... begin (got {short(value)})")
+
+
+def _loss(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise ArgumentError(f"pipeline_parallel() 'loss' must be None or a callable (output, "
+                            f"target) -> loss (got {short(value)})")
+
+
+@attrs.frozen(repr=False)
+class PipelineParallel(Transform):
+    """Cut the model into stages at layer boundaries, one (or a few) per rank of a pipeline
+    group, and train with one of torch's pipeline schedules (``torch.distributed.pipelining``).
+
+    Every rank of a group reads the same batch; each batch is cut into ``microbatches`` that
+    flow through the stages (the first stage runs the inputs, the last computes the loss from
+    the labels, shifted before the cut as a causal LM shifts them). The loss is a sum over
+    labelled tokens with their count, so parameters equal one process's on the same batches
+    (the step weighs tokens across microbatches, the accumulation window and data ranks);
+    clipping takes one norm over all stages, and a non-finite value on any stage skips or
+    stops the step on all of them. Each rank holds and saves only its stages' parameters,
+    under the model's own names: a checkpoint loads at any other layout.
+
+    A Transformers decoder (``embed_tokens``, ``layers``, ``norm``, ``lm_head``) runs its own
+    forward per stage; the stages are checked, once, to compose to the whole model's logits.
+    An ``nn.Sequential`` is cut between its children (batches ``(inputs, target)``, and
+    ``loss(output, target)`` returning the microbatch's mean or ``(loss_sum, num_items)``).
+    In one process (or ``size=1``) it is a no-op.
+
+    Args:
+        size: ranks per pipeline group; default all ranks of one node.
+        schedule: one of :data:`shardwise.pp_schedule.SCHEDULES` ("GPipe", "1F1B",
+            "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+            "DualPipeV").
+        microbatches: microbatches per batch (each batch's size must divide by it); default
+            the number of stages.
+        split: ``"auto"`` (stages balanced by parameter count) or the names of the layers
+            where stages 1, 2, ... begin (``["model.layers.2"]``).
+        stages_per_rank: stages each rank holds under a multi-stage schedule (default 2;
+            the V-shaped ones take exactly 2); 1 for GPipe and 1F1B.
+        loss: for an ``nn.Sequential``, ``loss(output, target)``.
+
+    Raises:
+        ConflictError: a model that cannot be cut, more stages than layers, a batch its
+            microbatches do not divide, tied embeddings on different ranks.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.pipeline_parallel(size=2, schedule="Interleaved1F1B"))
+    """
+
+    size: int | None = attrs.field(default=None, validator=_positive("size", 2**16))
+    schedule: str = attrs.field(default="1F1B", kw_only=True, validator=_schedule)
+    microbatches: int | None = attrs.field(default=None, kw_only=True,
+                                           validator=_positive("microbatches", 2**20))
+    split: str | Sequence[str] = attrs.field(
+        default="auto", kw_only=True, validator=_split,
+        converter=lambda v: v if isinstance(v, str) or not isinstance(v, Sequence) else tuple(v))
+    stages_per_rank: int | None = attrs.field(default=None, kw_only=True,
+                                              validator=_positive("stages_per_rank", 64))
+    loss: Callable[[Any, Any], Any] | None = attrs.field(default=None, kw_only=True,
+                                                         validator=_loss)
+    stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
+    factory_name: ClassVar[str] = "pipeline_parallel"
+
+    def __attrs_post_init__(self) -> None:
+        per = self.stages_per_rank
+        if per is not None and self.schedule not in MULTI and per != 1:
+            raise ArgumentError(f"pipeline_parallel(schedule={self.schedule!r}) runs one stage "
+                                f"per rank (got stages_per_rank={per}); the multi-stage "
+                                f"schedules are {', '.join(MULTI)}")
+        if per is not None and self.schedule in V_SHAPED and per != 2:
+            raise ArgumentError(f"pipeline_parallel(schedule={self.schedule!r}) holds exactly 2 "
+                                f"stages per rank, in a V (got stages_per_rank={per})")
+        if per == 1 and self.schedule in MULTI:
+            raise ArgumentError(f"pipeline_parallel(schedule={self.schedule!r}) needs "
+                                "stages_per_rank >= 2 (a rank's stages are interleaved)")
+
+    def mesh_dims(self) -> dict[str, int | None]:
+        return {"pp": self.size}
+
+    def group_size(self, env: Env) -> int:
+        """Ranks per group under ``env``: the ``pp`` dimension of its mesh (1 in one process)."""
+        mesh = layout_of(env, [self])
+        return mesh.pp if mesh is not None else 1
+
+    @property
+    def per_rank(self) -> int:
+        """Stages each rank holds."""
+        return self.stages_per_rank or (2 if self.schedule in MULTI else 1)
+
+    def microbatch_count(self, env: Env) -> int:
+        """Microbatches per batch: as given, or the pipeline's number of stages."""
+        return self.microbatches or self.group_size(env) * self.per_rank
+
+    def check(self, env: Env) -> None:
+        """Raises EnvError when the size does not divide the world, ConflictError when ranks
+        are left for data parallelism (not combined yet)."""
+        size = self.group_size(env)
+        if env.is_distributed and size < env.world_size:
+            raise ConflictError(f"{self!r}: {size} pipeline ranks of {env.world_size} leave data "
+                                "ranks, which pipeline_parallel does not combine with yet; "
+                                f"launch {size} processes, or pass size={env.world_size}")
+
+    def record(self, plan: Plan) -> Plan:
+        return attrs.evolve(plan, pipeline_parallel=self)
+
+    def excludes(self) -> dict[str, str]:
+        why = "is not combined with pipeline_parallel yet"
+        return {name: f"{name}() {why}" for name in (
+            "tensor_parallel", "context_parallel", "replicate", "shard", "shard_optimizer",
+            "deepspeed", "local_sgd", "offload")}
+
+    def split_for(self, model: nn.Module, env: Env) -> StageSplit:
+        """Where ``model`` is cut under ``env`` (for ``explain`` and the memory estimate)."""
+        return split_of(unwrap(model), self.group_size(env) * self.per_rank, self.split)
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        bundle = self._record(bundle)
+        env, model = bundle.env, bundle.model
+        size = self.group_size(env)
+        if not env.is_distributed or size == 1:
+            return bundle
+        if bundle.loss_fn is not None:
+            raise ConflictError(f"{self!r}: the loss is computed on the last stage from the "
+                                "stage's output and the batch's labels, not by a loss_fn given "
+                                "the whole model; drop loss_fn (for an nn.Sequential pass "
+                                "pipeline_parallel(loss=lambda output, target: ...))")
+        if bundle.plan.precision == "fp16":
+            raise ConflictError(f"{self!r}: fp16's gradient scaling cannot reach the loss inside "
+                                "the schedule; use bf16")
+        if is_rank0_weights(model):
+            raise ConflictError(f"{self!r}: a model built by sw.init_on_meta holds its weights on "
+                                "rank 0 only, which pipeline_parallel does not cut yet; build it "
+                                "normally")
+        refuse_state(bundle.optimizer)
+        ensure_process_group(env)
+        layout = layout_of(env, [self])
+        mesh = bundle.mesh if bundle.mesh is not None else build(env, layout) if layout else None
+        if mesh is None or "pp" not in (mesh.mesh_dim_names or ()) or \
+                int(mesh["pp"].size()) != size:
+            raise ConflictError(f"{self!r}: the bundle's mesh {mesh} has no 'pp' dimension of "
+                                f"size {size}; let sw.pipeline(...) build it")
+        split = self.split_for(model, env)
+        if split.kind == "sequential" and self.loss is None:
+            raise ConflictError(f"{self!r}: an nn.Sequential has no loss of its own; pass "
+                                "pipeline_parallel(loss=lambda output, target: ...)")
+        rank = int(mesh["pp"].get_local_rank())
+        mine = stages_on(self.schedule, rank, size, self.per_rank)
+        _check_tied(model, split, self.schedule, size, self.per_rank)
+        check_views(model, split)
+        groups = [len(group["params"]) for group in bundle.optimizer.param_groups] \
+            if bundle.optimizer is not None else []
+        prune(model, split, mine)
+        model.to(env.device)
+        _keep_held(bundle.optimizer, model)
+        run = PipelineRun(group=mesh["pp"].get_group(), rank=rank, size=size,
+                          schedule=self.schedule, microbatches=self.microbatch_count(env),
+                          stages=mine, modules=stage_modules(model, split, mine),
+                          total=split.stages, kind=split.kind, loss=self.loss,
+                          device=env.device, group_sizes=groups)
+        return attrs.evolve(bundle, mesh=mesh, stages=run)
+
+    def describe(self, env: Env) -> str:
+        size = self.group_size(env)
+        if not env.is_distributed or size == 1:
+            return "one rank per group: every layer on every rank"
+        stages, micro = size * self.per_rank, self.microbatch_count(env)
+        cut = "balanced by parameter count" if self.split == "auto" else \
+            f"at {', '.join(self.split)}"
+        idle = bubble(self.schedule, size, self.per_rank, micro)
+        filled = " before the weight-gradient work fills it" if self.schedule in ZERO_BUBBLE else ""
+        return (f"{self.schedule} over the mesh's pp dimension ({size} ranks, {stages} stages, "
+                f"{self.per_rank} per rank), cut at layer boundaries {cut}; each batch in "
+                f"{micro} microbatches; theoretical bubble {idle:.0%}{filled}; the loss a token "
+                f"sum on the last stage, shared with every stage; the {size} "
+                "ranks read the same batch")
+
+
+def _check_tied(model: nn.Module, split: StageSplit, schedule: str, size: int,
+                per_rank: int) -> None:
+    """Refuse tied input and output embeddings whose stages are on different ranks (each
+    rank would train its own copy: silently untied)."""
+    parts = decoder_parts(unwrap(model))
+    if parts is None:
+        return
+    _, inner = parts
+    if unwrap(model).lm_head.weight is not inner.embed_tokens.weight:  # type: ignore[union-attr]
+        return
+    last = split.stages - 1
+    if not any(0 in stages_on(schedule, r, size, per_rank) and
+               last in stages_on(schedule, r, size, per_rank) for r in range(size)):
+        raise ConflictError(f"pipeline_parallel(schedule={schedule!r}): this model ties lm_head "
+                            "to embed_tokens, and its first and last stages are on different "
+                            "ranks, which would train two copies apart; untie them "
+                            "(tie_word_embeddings=False) or use a V-shaped schedule "
+                            f"({', '.join(V_SHAPED)}), whose rank 0 holds both")
+
+
+def _keep_held(optimizer: Any, model: nn.Module) -> None:
+    """Keep in each param group of ``optimizer`` only the parameters ``model`` still holds."""
+    if optimizer is None:
+        return
+    held = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in held]
+
+
+#: the public factory: the class itself, so its defaults are written once
+pipeline_parallel = PipelineParallel

@@ -1,0 +1,290 @@
+# pipeline_parallel() on real gloo ranks: every torch schedule on 2 ranks against one process.
+"""A tiny Transformers Llama (4 layers) with per-sample prompt masks and right padding, trained
+4 optimizer steps (accumulation 2, clipping) with its layers cut into pipeline stages, must
+match one process on the same global batches under every schedule; a checkpoint goes from
+pp=2 to one process and back; a non-finite gradient on one stage stops every stage."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import shardwise as sw
+from shardwise.errors import ArgumentError, ConflictError, NonFiniteError
+from shardwise.testing import full_state, max_param_diff, run_distributed
+
+pytest.importorskip("transformers")
+
+GLOBAL_BATCH = 4
+STEPS = 4  # optimizer steps
+ACCUMULATE = 2
+SEQ = 8
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+             "ZBVZeroBubble", "DualPipeV")
+
+
+class Prompts(Dataset):
+    """Token ids whose labels mask a prompt of 1..3 tokens, and right padding of 0..2 tokens
+    (mask 0, label -100): token counts differ per sample and per microbatch."""
+
+    def __init__(self, size=32, seq=SEQ, vocab=64):
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, vocab, (size, seq), generator=gen)
+        self.labels = self.ids.clone()
+        self.mask = torch.ones_like(self.ids)
+        for i in range(size):
+            prompt = int(torch.randint(1, 4, (), generator=gen))
+            pad = int(torch.randint(0, 3, (), generator=gen))
+            self.labels[i, :prompt] = -100
+            if pad:
+                self.ids[i, -pad:] = 0
+                self.labels[i, -pad:] = -100
+                self.mask[i, -pad:] = 0
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i], "attention_mask": self.mask[i]}
+
+
+def llama(layers=4, tied=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, attn_implementation="sdpa",
+                         tie_word_embeddings=tied)
+    return LlamaForCausalLM(config)
+
+
+def token_sum(model, batch):
+    """One process's loss: the summed loss of the batch and its labelled tokens."""
+    out = model(**batch, num_items_in_batch=1)
+    return out.loss, (batch["labels"][:, 1:] != -100).sum()
+
+
+def built(parts, model=None):
+    model = model or llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    loader = DataLoader(Prompts(), batch_size=GLOBAL_BATCH, shuffle=True)
+    pipe = sw.pipeline(sw.detect(), *parts, sw.accumulate_gradients(ACCUMULATE),
+                       sw.clip_gradients(0.5))
+    staged = any(isinstance(p, sw.transforms.PipelineParallel) for p in parts)
+    return pipe, pipe(model, opt, loader, loss_fn=None if staged else token_sum,
+                      eval_loader=DataLoader(Prompts(size=12), batch_size=GLOBAL_BATCH))
+
+
+def steps(bundle, state, until, save_at=None, root=None):
+    """Train until optimizer step ``until`` (saving at step ``save_at``); the clipping norms
+    and reported losses."""
+    norms, losses = [], []
+    for batch in bundle.loader:
+        state, out = bundle.step(state, batch)
+        losses.append(out.loss.item())
+        if out.grad_norm is not None:
+            norms.append(out.grad_norm.item())
+        if state.step == save_at and not state.window_batches:
+            sw.save(root, bundle, state)
+        if state.step == until:
+            break
+    return bundle.check(state), norms, losses
+
+
+def train(parts, save_at=None, root=None):
+    pipe, bundle = built(parts)
+    state, norms, losses = steps(bundle, bundle.init(), STEPS, save_at, root)
+    out = {"params": full_state(bundle.model), "norms": norms, "losses": losses,
+           "explain": pipe.explain()}
+    try:
+        batch = next(iter(DataLoader(Prompts(), batch_size=GLOBAL_BATCH)))
+        out.update(evaluated=sw.evaluate(bundle), predicted=bundle.predict(batch))
+    except ConflictError as exc:  # the V-shaped schedules have no forward-only pass
+        out["refused"] = str(exc)
+    return out
+
+
+def whole(runs, name):
+    """Each rank's stages' parameters together (the model's own names)."""
+    merged = {}
+    for rank in runs:
+        merged.update(rank[name]["params"])
+    return merged
+
+
+def schedules():
+    return {name: train([sw.pipeline_parallel(schedule=name)]) for name in SCHEDULES}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train([])
+
+
+def test_every_schedule_on_two_ranks_equals_one_process(reference):
+    """GPipe and 1F1B (a stage per rank, 2 microbatches), the interleaved and zero-bubble
+    schedules (2 stages per rank, 4 microbatches; DualPipeV and ZBV in a V): parameters within
+    1e-5 of one process after 4 steps with accumulation 2 and clipping (one norm over both
+    stages), the same norms and losses, and the same evaluation and predictions (refused by
+    name under the V-shaped schedules, which torch runs only with backward)."""
+    runs = run_distributed(schedules, world_size=2)
+    for name in SCHEDULES:
+        merged = whole(runs, name)
+        assert set(merged) == set(reference["params"]), name  # the model's own names
+        assert max_param_diff(merged, reference["params"]) < 1e-5, name
+        for rank in runs:
+            got = rank[name]
+            assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5), name
+            assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
+            if name in ("ZBVZeroBubble", "DualPipeV"):
+                assert "has no forward-only pass" in got["refused"]
+                continue
+            assert got["evaluated"]["loss"] == pytest.approx(reference["evaluated"]["loss"],
+                                                             rel=1e-6), name
+            assert got["evaluated"]["items"] == reference["evaluated"]["items"]
+            torch.testing.assert_close(got["predicted"].logits, reference["predicted"].logits,
+                                       rtol=0, atol=1e-5)
+            assert got["predicted"].loss.item() == pytest.approx(
+                reference["predicted"].loss.item(), rel=1e-6)
+        # each rank holds only its stages: the two halves are disjoint
+        assert not set(runs[0][name]["params"]) & set(runs[1][name]["params"])
+    text = runs[0]["1F1B"]["explain"]
+    assert "1F1B over the mesh's pp dimension (2 ranks, 2 stages" in text
+    assert "theoretical bubble 33%" in text  # (p - 1) / (m + p - 1) with p = m = 2
+
+
+def checkpoints(root):
+    """pp=2 saves at step 2 (the stages' parts under the model's names) and exports the
+    whole model at the end; one process's checkpoint at step 2 resumes at pp=2; and pp=2
+    trains with activation checkpointing, and in bf16."""
+    _, bundle = built([sw.pipeline_parallel(schedule="1F1B")])
+    steps(bundle, bundle.init(), STEPS, save_at=2, root=f"{root}/pp")
+    sw.export(f"{root}/export", bundle)
+    saved = full_state(bundle.model)
+    _, bundle = built([sw.pipeline_parallel(schedule="Interleaved1F1B")])
+    state = sw.load(f"{root}/one", bundle)
+    state, _, _ = steps(bundle, state, STEPS)
+    return {"saved": saved, "resumed": full_state(bundle.model), "step": state.step,
+            "checkpointed": train([sw.pipeline_parallel(), sw.checkpoint_activations()])["params"],
+            "bf16": train([sw.pipeline_parallel(), sw.mixed_precision("bf16")])["params"]}
+
+
+def test_checkpoints_go_from_two_stages_to_one_process_and_back(reference, tmp_path):
+    """And the export is the whole model; activation checkpointing and bf16 per stage."""
+    _, alone = built([])
+    steps(alone, alone.init(), 2, save_at=2, root=tmp_path / "one")
+    runs = run_distributed(checkpoints, str(tmp_path), world_size=2)
+    # pp=2's checkpoint at step 2 loads in one process and goes on as one process does
+    _, one = built([])
+    state = sw.load(tmp_path / "pp", one)
+    assert state.step == 2
+    steps(one, state, STEPS)
+    assert max_param_diff(full_state(one.model), reference["params"]) < 1e-5
+    # one process's checkpoint at step 2 resumed on 2 ranks (another schedule) equals it too
+    merged = whole([{"r": {"params": r["resumed"]}} for r in runs], "r")
+    assert max_param_diff(merged, reference["params"]) < 1e-5
+    assert runs[0]["step"] == STEPS
+    # sw.export gathers every stage's part: the whole model, loadable strictly
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    trained = whole([{"r": {"params": r["saved"]}} for r in runs], "r")
+    assert set(exported) == set(reference["params"])
+    assert max_param_diff(exported, trained) == 0.0
+    llama().load_state_dict(exported, strict=True)
+    # per stage: activation checkpointing (exact) and bf16 (within 1.5x of how far bf16
+    # itself moves the weights from fp32 in one process)
+    checkpointed = whole([{"r": {"params": r["checkpointed"]}} for r in runs], "r")
+    assert max_param_diff(checkpointed, reference["params"]) < 1e-5
+    bf16 = whole([{"r": {"params": r["bf16"]}} for r in runs], "r")
+    drift = max_param_diff(train([sw.mixed_precision("bf16")])["params"], reference["params"])
+    assert 0 < max_param_diff(bf16, reference["params"]) <= 1.5 * drift
+
+
+def nonfinite(stage_rank, on_nonfinite):
+    """A NaN in the gradient of one stage's parameter (on rank ``stage_rank``) at step 3."""
+    _, bundle = built([sw.pipeline_parallel(schedule="1F1B")])
+    calls = []
+    hooked = next(p for p in bundle.model.parameters())
+
+    def poison(grad):
+        calls.append(1)
+        # once per pipeline microbatch (2 per batch, 2 batches per step): step 3's first
+        return grad * float("nan") if len(calls) == 9 else grad
+
+    if sw.detect().rank == stage_rank:
+        hooked.register_hook(poison)
+    state = bundle.init()
+    before = None
+    try:
+        for batch in bundle.loader:
+            if state.step == 2 and not state.window_batches:
+                before = full_state(bundle.model)
+            state, _ = bundle.step(state, batch, on_nonfinite=on_nonfinite)
+            if state.step == 3 and not state.window_batches:
+                break
+        state = bundle.check(state)
+    except NonFiniteError as exc:
+        return {"raised": str(exc), "unchanged": max_param_diff(full_state(bundle.model), before)}
+    return {"skipped": state.skipped_steps,
+            "unchanged": max_param_diff(full_state(bundle.model), before)}
+
+
+def test_a_nonfinite_gradient_on_one_stage_stops_every_stage():
+    for on_nonfinite in ("skip", "raise"):
+        runs = run_distributed(nonfinite, 0, on_nonfinite, world_size=2)
+        for rank in runs:
+            assert rank["unchanged"] == 0.0  # nothing applied on either stage
+            if on_nonfinite == "skip":
+                assert rank["skipped"] == 1
+            else:
+                assert "non-finite gradients at optimizer step 3" in rank["raised"]
+
+
+def refusals():
+    found = {}
+
+    def refused(name, make):
+        try:
+            make()
+        except (ConflictError, ArgumentError) as exc:
+            found[name] = str(exc)
+
+    refused("stages", lambda: built([sw.pipeline_parallel(schedule="Interleaved1F1B",
+                                                          stages_per_rank=4)]))
+    refused("tied", lambda: built([sw.pipeline_parallel()], model=llama(tied=True)))
+    _, bundle = built([sw.pipeline_parallel(microbatches=3)])
+    refused("microbatches", lambda: bundle.step(bundle.init(), next(iter(bundle.loader))))
+    refused("loss_fn", lambda: sw.pipeline(sw.pipeline_parallel())(
+        llama(), None, loss_fn=token_sum))
+    refused("split", lambda: built([sw.pipeline_parallel(split=["model.layers.9"])]))
+    found["explain"] = sw.pipeline(sw.pipeline_parallel()).explain(llama())
+    found["given"] = sw.pipeline(sw.pipeline_parallel(split=["model.layers.1"])).explain(llama())
+    return found
+
+
+def test_what_cannot_be_cut_or_divided_is_refused_naming_the_numbers():
+    found = run_distributed(refusals, world_size=2)[0]
+    assert "4 stages per rank" not in found["stages"]
+    assert "8 stages, but the model has 4 layers" in found["stages"]
+    assert "ties lm_head to embed_tokens" in found["tied"]
+    assert "3 microbatches; a batch of 4 samples does not divide" in found["microbatches"]
+    assert "drop loss_fn" in found["loss_fn"]
+    assert "'model.layers.9', which is not a layer" in found["split"]
+    # explain(model) names each stage's layers: balanced by parameters, or where given
+    assert "stages: stage 0: model.layers.0-1 (+ embeddings)" in found["explain"]
+    assert "stage 1: model.layers.2-3 (+ norm and head)" in found["explain"]
+    assert "stage 0: model.layers.0 (+ embeddings)" in found["given"]
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ArgumentError, match="'schedule' must be one of GPipe, 1F1B"):
+        sw.pipeline_parallel(schedule="Zigzag")
+    with pytest.raises(ArgumentError, match="runs one stage per rank"):
+        sw.pipeline_parallel(schedule="1F1B", stages_per_rank=2)
+    with pytest.raises(ArgumentError, match="exactly 2 stages per rank"):
+        sw.pipeline_parallel(schedule="DualPipeV", stages_per_rank=3)
+    with pytest.raises(ArgumentError, match="'microbatches' must be None or an integer"):
+        sw.pipeline_parallel(microbatches=0)
+    with pytest.raises(ConflictError, match="not combined with pipeline_parallel yet"):
+        sw.pipeline(sw.pipeline_parallel(), sw.shard())

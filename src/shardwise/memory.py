@@ -245,6 +245,67 @@ def engine_of(transforms: Sequence[Transform], env: Env) -> Engine:
     return engine
 
 
+def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list[Transform],
+            batch: Any, optimizer: torch.optim.Optimizer | None) -> MemoryEstimate:
+    """The estimate under ``pipeline_parallel``: the rank whose stages need the most, their
+    state and their activations for the microbatches the schedule keeps in flight."""
+    from shardwise._params import unwrap
+    from shardwise.engines import LocalEngine
+    from shardwise.pp_memory import (
+        held_modules,
+        in_flight,
+        microbatch,
+        schedule_order,
+        stage_activations,
+    )
+    from shardwise.pp_schedule import stages_on
+
+    model = unwrap(model)
+    ckpt = next((t for t in transforms if isinstance(t, CheckpointActivations)), None)
+    size, per, count = staged.group_size(env), staged.per_rank, staged.microbatch_count(env)
+    split = staged.split_for(model, env)
+    order = schedule_order(staged.schedule, size, per, count)
+    trained = ({id(p) for g in optimizer.param_groups for p in g["params"]}
+               if optimizer is not None else {id(p) for p in model.parameters() if p.requires_grad})
+    per_stage: list[int | None] = []
+    missing = "no sample batch was given (batch=...)"
+    if batch is not None:
+        reasons: list[str] = []
+
+        def measure(stage: nn.Module, inputs: Any) -> int | None:
+            found, why = _activations(stage, inputs, plan.precision,
+                                      ckpt.policy if ckpt is not None else None)
+            reasons.append(why)
+            return found
+
+        per_stage = stage_activations(model, split, microbatch(batch, count), measure,
+                                      precisions.dtype(plan.precision))
+        missing = next((why for why in reasons if why), "")
+    best: tuple[int, int, Any, int | None] | None = None
+    for rank in range(size):
+        held = held_modules(model, split, stages_on(staged.schedule, rank, size, per))
+        parts = LocalEngine().memory(
+            held, env, trained=trained & {id(p) for p in held.parameters()},
+            optimizer_layout=_optimizer_layout(optimizer),
+            precision_bytes=precisions.dtype(plan.precision).itemsize,
+            accumulating=plan.accumulation_steps > 1)
+        activations = None if not per_stage or any(a is None for a in per_stage) else \
+            in_flight(order[rank], lambda s: per_stage[s] or 0)
+        total = (parts.params_bytes + parts.grads_bytes + parts.optimizer_bytes
+                 + (activations or 0) + parts.working_bytes)
+        if best is None or total > best[1]:
+            best = (rank, total, parts, activations)
+    assert best is not None
+    rank, total, parts, activations = best
+    layout = (f"pipeline parallel over {size} ranks ({staged.schedule}, {count} microbatches): "
+              f"rank {rank} needs the most, holding stages "
+              f"{stages_on(staged.schedule, rank, size, per)}; activations of the microbatches "
+              "its schedule keeps in flight" + (" + activation checkpointing" if ckpt else ""))
+    return MemoryEstimate(parts.params_bytes, parts.grads_bytes, parts.optimizer_bytes,
+                          activations, parts.working_bytes, total, layout, budget(env),
+                          missing if activations is None else "")
+
+
 def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transform] | None = None,
                     env: Env | None = None,
                     *, batch: Any = None,
@@ -258,7 +319,9 @@ def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transf
     meta device, in the plan's precision (attention saving what a fused kernel saves, not
     the math kernel's ``S x S`` weights), reduced as ``checkpoint_activations`` would, and
     divided by the group's size under ``context_parallel`` (each rank holds a slice of every
-    sequence; give the whole batch a data rank reads).
+    sequence; give the whole batch a data rank reads). Under ``pipeline_parallel`` the rank
+    whose stages need the most: their state, and each stage's activations for one
+    microbatch times the microbatches torch's schedule keeps in flight on that rank.
 
     Args:
         model: the model (not modified, nothing is allocated for it).
@@ -275,6 +338,9 @@ def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transf
         env = getattr(pipeline, "env", None) or Env()
     transforms = _transforms(pipeline)
     plan = plan_of(transforms)
+    staged = plan.pipeline_parallel
+    if staged is not None and env.is_distributed and staged.group_size(env) > 1:
+        return _staged(model, staged, env, plan, transforms, batch, optimizer)
     engine = engine_of(transforms, env)
     ckpt = next((t for t in transforms if isinstance(t, CheckpointActivations)), None)
     trained = ({id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -26,7 +26,7 @@ from torch import nn
 from shardwise._text import short
 from shardwise.errors import ArgumentError, ConflictError
 
-__all__ = ["Elsewhere", "StageSplit", "split_of", "prune", "stage_modules", "check_views",
+__all__ = ["Elsewhere", "DecoderStage", "StageSplit", "split_of", "prune", "stage_modules", "check_views",
            "decoder_parts"]
 
 Kind = Literal["decoder", "sequential"]
@@ -237,10 +237,12 @@ class DecoderStage(nn.Module):
     def __init__(self, view: nn.Module, prefix: str, first: bool, last: bool) -> None:
         super().__init__()
         self.view, self.prefix, self.first, self.last = view, prefix, first, last
+        #: training keeps no key/value cache (None: the model's default, for the estimate)
+        self.use_cache: bool | None = False
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         given: dict[str, Any] = {"input_ids" if self.first else "inputs_embeds": x,
-                                 "use_cache": False}
+                                 "use_cache": self.use_cache}
         if attention_mask is not None:
             given["attention_mask"] = attention_mask
         if self.last:

@@ -1,0 +1,120 @@
+# The per-rank memory of pipeline stages: the state a rank's stages hold, activations in flight.
+"""What ``estimate_memory`` counts under ``pipeline_parallel``.
+
+Each rank holds its stages' parameters, gradients and optimizer state, and the activations
+of the microbatches whose forward it ran and whose backward it has not: how many depends on
+the schedule. That is read from torch's own schedule (its ``pipeline_order``, the compute
+actions of every rank, built from stand-in stages: nothing runs): each forward of a stage
+adds that stage's activations for one microbatch (estimated on the meta device), each
+backward frees them (for the zero-bubble schedules, the weight-gradient half: until then the
+layers' inputs are kept), and the peak of the running sum is the rank's.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_map
+
+from shardwise.pp_schedule import MULTI, stages_on
+from shardwise.pp_stages import DecoderStage, StageSplit, decoder_parts, stage_modules
+
+__all__ = ["held_modules", "in_flight", "microbatch", "stage_activations", "schedule_order"]
+
+
+def held_modules(model: nn.Module, split: StageSplit, mine: Sequence[int]) -> nn.Module:
+    """The modules the stages ``mine`` hold, in one container (for their state's bytes)."""
+    held = {i for stage in mine for i in range(*split.bounds[stage])}
+    children = list(model.children()) if split.kind == "sequential" else None
+    if children is not None:
+        return nn.ModuleList([children[i] for i in sorted(held)])
+    _, inner = decoder_parts(model)  # type: ignore[misc]
+    kept: list[nn.Module] = [inner.layers[i] for i in sorted(held)]
+    if 0 in mine:
+        kept.append(inner.embed_tokens)
+    if split.stages - 1 in mine:
+        kept += [inner.norm, model.lm_head]  # type: ignore[list-item]
+    return nn.ModuleList(kept)
+
+
+def schedule_order(schedule: str, size: int, per_rank: int, microbatches: int
+                   ) -> dict[int, list[Any]]:
+    """torch's compute actions of every rank for this schedule (from stand-in stages)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    total = size * per_rank
+
+    def stand_in(index: int) -> Any:
+        return types.SimpleNamespace(stage_index=index, num_stages=total, group_size=size,
+                                     group_rank=0, is_first=index == 0,
+                                     is_last=index == total - 1, submod=None,
+                                     stage_index_to_group_rank=None, has_backward=True)
+
+    cls = getattr(torch_schedules, f"Schedule{schedule}")
+    mine = [stand_in(i) for i in stages_on(schedule, 0, size, per_rank)]
+    built = cls(mine if schedule in MULTI else mine[0], n_microbatches=microbatches,
+                loss_fn=lambda output, target: output)
+    return {rank: [a for a in actions if a is not None]
+            for rank, actions in built.pipeline_order.items()}
+
+
+def in_flight(actions: list[Any], per_stage: Callable[[int], int]) -> int:
+    """The peak bytes of activations held while a rank runs ``actions``: a forward of stage s
+    adds ``per_stage(s)``; its full backward, or the weight-gradient half of a split one,
+    frees them."""
+    held = peak = 0
+    for action in actions:
+        parts = getattr(action, "sub_actions", None) or [action]
+        for part in parts:
+            kind = str(part.computation_type).rsplit(".", 1)[-1]
+            if kind in ("FORWARD", "F"):
+                held += per_stage(part.stage_index)
+            elif kind in ("FULL_BACKWARD", "B", "BACKWARD_WEIGHT", "W"):
+                held -= per_stage(part.stage_index)
+            peak = max(peak, held)
+    return peak
+
+
+def microbatch(batch: Any, microbatches: int) -> Any:
+    """``batch`` cut to its first microbatch (every tensor's leading dimension / the count)."""
+    leaves = [v for v in tree_flatten(batch)[0] if isinstance(v, torch.Tensor) and v.ndim]
+    size = int(leaves[0].shape[0]) if leaves else 1
+    step = max(1, size // microbatches)
+    return tree_map(lambda v: v[:step] if isinstance(v, torch.Tensor) and v.ndim and
+                    v.shape[0] == size else v, batch)
+
+
+def stage_activations(model: nn.Module, split: StageSplit, batch: Any,
+                      measure: Callable[[nn.Module, Any], int | None],
+                      dtype: torch.dtype) -> list[int | None]:
+    """Each stage's activations for one microbatch ``batch``: ``measure(stage, inputs)``, the
+    stages run one after another on the meta device to learn each one's input (hidden states
+    in ``dtype``, the forward's precision)."""
+    stages = stage_modules(model, split, range(split.stages))
+    if split.kind == "decoder":
+        inputs: Any = (batch["input_ids"] if isinstance(batch, dict) else batch,)
+        for stage in stages:  # the model's own default: without a cache Transformers reads
+            if isinstance(stage, DecoderStage):  # the (meta) position ids to detect packing
+                stage.use_cache = None
+    else:
+        inputs = (batch[0],) if isinstance(batch, (tuple, list)) else (batch,)
+    out: list[int | None] = []
+    for stage in stages:
+        out.append(measure(stage, inputs))
+        if split.kind == "decoder":  # the hidden states the next stage starts from
+            ids = inputs[0]
+            width = decoder_parts(model)[1].embed_tokens.embedding_dim  # type: ignore[index]
+            inputs = (torch.empty(*ids.shape[:2], width, device="meta", dtype=dtype),)
+            continue
+        meta = {n: torch.empty_like(p, device="meta") for n, p in stage.named_parameters()}
+        meta.update({n: torch.empty_like(b, device="meta") for n, b in stage.named_buffers()})
+        with torch.no_grad():
+            following = functional_call(stage, meta, tuple(
+                v.to("meta") if isinstance(v, torch.Tensor) else v for v in inputs))
+        inputs = (following.to(dtype) if following.is_floating_point() else following,)
+    return out

@@ -60,9 +60,12 @@ def choose_distribution(env: Env, given: list[Transform], model: nn.Module,
                         batch: Any) -> tuple[list[Transform], str]:
     """The distribution transforms for ``model`` under ``env``, and the reason with numbers."""
     stages = next((t for t in given if "pp" in t.mesh_dims()), None)
-    if stages is not None:  # pipeline_parallel spans the world: no data ranks to distribute
-        return [], (f"default: pipeline_parallel's {env.world_size} ranks hold the stages; no "
-                    "data ranks are left to distribute over")
+    if stages is not None:  # the stages' forward is not DDP's: only shard() runs them
+        data = stages.data_distribution(env)  # type: ignore[attr-defined]
+        return ([data] if data else []), (
+            f"default: pipeline_parallel groups of {stages.group_size(env)} ranks "  # type: ignore[attr-defined]
+            f"leave {env.world_size // stages.group_size(env)} data rank(s)"  # type: ignore[attr-defined]
+            + ("; DDP does not run stages, so shard()" if data else ""))
     tensor = next((t for t in given if "tp" in t.mesh_dims()), None)
     if tensor is not None:  # not a memory question: only shard() runs split layers
         chosen = tensor.data_distribution(env)  # type: ignore[attr-defined]

@@ -235,6 +235,12 @@ def engine_of(transforms: Sequence[Transform], env: Env) -> Engine:
     group spans the world)."""
     plan = plan_of(transforms)
     distribution = next((t for t in transforms if isinstance(t, Distribution)), None)
+    if distribution is None and plan.pipeline_parallel is not None and env.is_distributed:
+        distribution = plan.pipeline_parallel.data_distribution(env)  # shard() or nothing
+        if distribution is None:
+            from shardwise.engines import LocalEngine
+
+            return LocalEngine()
     if distribution is None and plan.tensor_parallel is not None and env.is_distributed:
         distribution = plan.tensor_parallel.data_distribution(env)
         if distribution is None:
@@ -250,7 +256,6 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
     """The estimate under ``pipeline_parallel``: the rank whose stages need the most, their
     state and their activations for the microbatches the schedule keeps in flight."""
     from shardwise._params import unwrap
-    from shardwise.engines import LocalEngine
     from shardwise.pp_memory import (
         held_modules,
         in_flight,
@@ -261,6 +266,7 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
     from shardwise.pp_schedule import stages_on
 
     model = unwrap(model)
+    engine = engine_of(transforms, env)  # one process, or FSDP2 over each stage's data ranks
     ckpt = next((t for t in transforms if isinstance(t, CheckpointActivations)), None)
     size, per, count = staged.group_size(env), staged.per_rank, staged.microbatch_count(env)
     split = staged.split_for(model, env)
@@ -284,7 +290,7 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
     best: tuple[int, int, Any, int | None] | None = None
     for rank in range(size):
         held = held_modules(model, split, stages_on(staged.schedule, rank, size, per))
-        parts = LocalEngine().memory(
+        parts = engine.memory(
             held, env, trained=trained & {id(p) for p in held.parameters()},
             optimizer_layout=_optimizer_layout(optimizer),
             precision_bytes=precisions.dtype(plan.precision).itemsize,
@@ -299,8 +305,9 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
     rank, total, parts, activations = best
     layout = (f"pipeline parallel over {size} ranks ({staged.schedule}, {count} microbatches): "
               f"rank {rank} needs the most, holding stages "
-              f"{stages_on(staged.schedule, rank, size, per)}; activations of the microbatches "
-              "its schedule keeps in flight" + (" + activation checkpointing" if ckpt else ""))
+              f"{stages_on(staged.schedule, rank, size, per)} ({parts.layout}); activations of "
+              "the microbatches its schedule keeps in flight"
+              + (" + activation checkpointing" if ckpt else ""))
     return MemoryEstimate(parts.params_bytes, parts.grads_bytes, parts.optimizer_bytes,
                           activations, parts.working_bytes, total, layout, budget(env),
                           missing if activations is None else "")

@@ -28,18 +28,24 @@ __all__ = ["held_modules", "in_flight", "microbatch", "stage_activations", "sche
 
 
 def held_modules(model: nn.Module, split: StageSplit, mine: Sequence[int]) -> nn.Module:
-    """The modules the stages ``mine`` hold, in one container (for their state's bytes)."""
-    held = {i for stage in mine for i in range(*split.bounds[stage])}
-    children = list(model.children()) if split.kind == "sequential" else None
-    if children is not None:
-        return nn.ModuleList([children[i] for i in sorted(held)])
+    """The modules the stages ``mine`` hold, in one container (for their state's bytes): its
+    ``layers`` the held layers (the blocks a sharding policy finds, as in the model), its
+    ``rest`` the embeddings, norm and head the stages hold."""
+    held = sorted({i for stage in mine for i in range(*split.bounds[stage])})
+    holder = nn.Module()
+    holder._no_split_modules = getattr(model, "_no_split_modules", None)  # type: ignore[assignment]
+    if split.kind == "sequential":
+        children = list(model.children())
+        holder.layers = nn.ModuleList([children[i] for i in held])
+        holder.rest = nn.ModuleList()
+        return holder
     _, inner = decoder_parts(model)  # type: ignore[misc]
-    kept: list[nn.Module] = [inner.layers[i] for i in sorted(held)]
-    if 0 in mine:
-        kept.append(inner.embed_tokens)
+    holder.layers = nn.ModuleList([inner.layers[i] for i in held])
+    rest: list[nn.Module] = [inner.embed_tokens] if 0 in mine else []
     if split.stages - 1 in mine:
-        kept += [inner.norm, model.lm_head]  # type: ignore[list-item]
-    return nn.ModuleList(kept)
+        rest += [inner.norm, model.lm_head]  # type: ignore[list-item]
+    holder.rest = nn.ModuleList(rest)
+    return holder
 
 
 def schedule_order(schedule: str, size: int, per_rank: int, microbatches: int

@@ -64,10 +64,10 @@ def token_sum(model, batch):
     return out.loss, (batch["labels"][:, 1:] != -100).sum()
 
 
-def built(parts, model=None):
+def built(parts, model=None, data_ranks=1):
     model = model or llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    loader = DataLoader(Prompts(), batch_size=GLOBAL_BATCH, shuffle=True)
+    loader = DataLoader(Prompts(), batch_size=GLOBAL_BATCH // data_ranks, shuffle=True)
     pipe = sw.pipeline(sw.detect(), *parts, sw.accumulate_gradients(ACCUMULATE),
                        sw.clip_gradients(0.5))
     staged = any(isinstance(p, sw.transforms.PipelineParallel) for p in parts)
@@ -91,8 +91,8 @@ def steps(bundle, state, until, save_at=None, root=None):
     return bundle.check(state), norms, losses
 
 
-def train(parts, save_at=None, root=None):
-    pipe, bundle = built(parts)
+def train(parts, save_at=None, root=None, data_ranks=1):
+    pipe, bundle = built(parts, data_ranks=data_ranks)
     state, norms, losses = steps(bundle, bundle.init(), STEPS, save_at, root)
     out = {"params": full_state(bundle.model), "norms": norms, "losses": losses,
            "explain": pipe.explain()}
@@ -241,6 +241,37 @@ def test_a_nonfinite_gradient_on_one_stage_stops_every_stage():
                 assert "non-finite gradients at optimizer step 3" in rank["raised"]
 
 
+def four_ranks(root):
+    """pp=2 x dp_shard=2: each stage sharded (FSDP2) over its 2 data ranks, 1F1B,
+    Interleaved1F1B and LoopedBFS (2 microbatches of a data rank's 2 samples); a checkpoint
+    at step 2."""
+    staged = [sw.pipeline_parallel(size=2), sw.shard()]
+    out = {"1F1B": train(staged, save_at=2, root=root, data_ranks=2)}
+    for schedule in ("Interleaved1F1B", "LoopedBFS"):
+        out[schedule] = train([sw.pipeline_parallel(size=2, schedule=schedule, microbatches=2),
+                               sw.shard()], data_ranks=2)
+    return out
+
+
+def test_two_stages_times_two_data_ranks_on_four_ranks_equal_one_process(reference, tmp_path):
+    runs = run_distributed(four_ranks, str(tmp_path), world_size=4)
+    for name in ("1F1B", "Interleaved1F1B", "LoopedBFS"):
+        # ranks 0, 1 are one pipeline (data rank 0), 2, 3 the other: each holds its stages
+        merged = whole(runs[:2], name)
+        assert max_param_diff(merged, reference["params"]) < 1e-5, name
+        assert max_param_diff(whole(runs[2:], name), merged) == 0.0  # the replicas agree
+        for rank in runs:
+            got = rank[name]
+            assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5), name
+            assert got["evaluated"]["loss"] == pytest.approx(reference["evaluated"]["loss"],
+                                                             rel=1e-6), name
+    assert "dp_shard=2 x pp=2" in runs[0]["1F1B"]["explain"]
+    _, one = built([])
+    state = sw.load(tmp_path, one)  # saved by 4 ranks, sharded and staged
+    steps(one, state, STEPS)
+    assert max_param_diff(full_state(one.model), reference["params"]) < 1e-5
+
+
 def refusals():
     found = {}
 
@@ -286,5 +317,9 @@ def test_arguments_are_checked():
         sw.pipeline_parallel(schedule="DualPipeV", stages_per_rank=3)
     with pytest.raises(ArgumentError, match="'microbatches' must be None or an integer"):
         sw.pipeline_parallel(microbatches=0)
+    with pytest.raises(ConflictError, match="use shard.. for the data ranks"):
+        sw.pipeline(sw.pipeline_parallel(), sw.replicate())
     with pytest.raises(ConflictError, match="not combined with pipeline_parallel yet"):
-        sw.pipeline(sw.pipeline_parallel(), sw.shard())
+        sw.pipeline(sw.pipeline_parallel(), sw.tensor_parallel())
+    with pytest.raises(ConflictError, match="zero-bubble schedule 'DualPipeV' trained apart"):
+        sw.pipeline(sw.pipeline_parallel(schedule="DualPipeV"), sw.shard())

@@ -105,3 +105,15 @@ def test_the_estimate_holds_the_busiest_ranks_stages():
     gpipe4 = sw.estimate_memory(model, [sw.pipeline_parallel(schedule="GPipe", microbatches=4)],
                                 TWO, batch=batch)
     assert one_f.activations_bytes < gpipe4.activations_bytes  # 1F1B keeps fewer in flight
+
+
+def test_the_estimate_shards_each_stage_over_its_data_ranks():
+    with torch.device("meta"):
+        model = llama(layers=4, vocab=2048)
+    four = sw.Env(world_size=4, local_world_size=4)
+    alone = sw.estimate_memory(model, [sw.pipeline_parallel(size=2)], TWO)
+    sharded = sw.estimate_memory(model, [sw.pipeline_parallel(size=2), sw.shard()], four)
+    default = sw.estimate_memory(model, [sw.pipeline_parallel(size=2)], four)  # shard() chosen
+    assert "shard over 2 ranks" in sharded.layout
+    assert sharded.params_bytes == default.params_bytes
+    assert sharded.params_bytes == pytest.approx(alone.params_bytes / 2, rel=0.01)

@@ -55,6 +55,8 @@ class FSDPEngine(Engine):
         offload: sharded state kept in host memory (``CPUOffloadPolicy``).
         tp: ranks of each tensor-parallel group (2-D/3-D mesh); data ranks are the rest.
         tensor_parallel: the tensor_parallel transform, for the memory estimate.
+        pp: ranks of each pipeline group: each shards its stages over the data ranks, and
+            torch's schedule reduces the gradients of every batch (no window-long no_sync).
     """
 
     world_size: int
@@ -65,12 +67,13 @@ class FSDPEngine(Engine):
     offload: bool = False
     tp: int = 1
     tensor_parallel: Any = attrs.field(eq=False, repr=False, default=None)
+    pp: int = 1
     name: ClassVar[str] = "FSDP2"
     casts_parameters: ClassVar[bool] = True
     places_parameters: ClassVar[bool] = True
 
     def gradient_ranks(self, env: Env) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
 
     def batch_copies(self, env: Env) -> int:
         return self.tp
@@ -81,7 +84,7 @@ class FSDPEngine(Engine):
         return super().clip(params, max_norm, norm_type)
 
     def no_sync(self, model: nn.Module, state: TrainState) -> NoSync | None:
-        if self.sync_each_batch:
+        if self.sync_each_batch or self.pp > 1:  # stages: their schedule says when to sync
             return None
         return functools.partial(_without_gradient_sync, model)
 
@@ -120,4 +123,5 @@ class FSDPEngine(Engine):
 
     def describe(self, env: Env) -> str:
         split = f", tensor parallel over {self.tp}" if self.tp > 1 else ""
+        split += f", pipeline stages over {self.pp}" if self.pp > 1 else ""
         return f"FSDP2 over {self.shard_ranks} of {self.world_size} ranks{split}"

@@ -94,10 +94,11 @@ class Shard(Distribution):
         tensor = plan.tensor_parallel
         mesh = self._layout(env, plan)
         tp = mesh.tp if mesh is not None else 1
-        return FSDPEngine(world_size=env.world_size, shard_ranks=self.shard_ranks(env, tp),
+        pp = mesh.pp if mesh is not None else 1
+        return FSDPEngine(world_size=env.world_size, shard_ranks=self.shard_ranks(env, tp * pp),
                           policy=self.policy, reshard_after_forward=self.reshard_after_forward,
                           sync_each_batch=self.sync_each_batch, offload=plan.offload,
-                          tp=tp, tensor_parallel=tensor if tp > 1 else None)
+                          tp=tp, tensor_parallel=tensor if tp > 1 else None, pp=pp)
 
     def excludes(self) -> dict[str, str]:
         if self.mesh is None:
@@ -151,8 +152,11 @@ class Shard(Distribution):
         for _, block in blocks:  # bottom-up: deepest first, then the root
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         # the root is needed again as soon as backward starts: keeping it gathered saves an
-        # all-gather per step (torch's own default for the root)
-        fully_shard(model, reshard_after_forward=False, **options)
+        # all-gather per step (torch's own default for the root). Pipeline stages: each
+        # stage's module is a root (what torch's schedule runs, and syncs per batch)
+        roots = bundle.stages.modules if bundle.stages is not None else [model]
+        for root in roots:
+            fully_shard(root, reshard_after_forward=False, **options)
         if from_rank0:
             materialise_from_rank0(model, env, full)
         rebind_optimizer(bundle.optimizer, names, model)
@@ -161,7 +165,8 @@ class Shard(Distribution):
     def shard_ranks(self, env: Env, tp: int = 1) -> int:
         """How many ranks each parameter is split over by FSDP2: the last data dimension of
         the mesh (FSDP2 replicates over the first of a 2-D one; ``tp`` ranks of a
-        tensor-parallel group hold the same shard of their part)."""
+        tensor-parallel group, or of a pipeline group's block, hold the same shard of their
+        part)."""
         if self.mesh is not None:
             return int(self.mesh.shape[-1])
         ranks = env.local_world_size if self.replicate_across_nodes else env.world_size

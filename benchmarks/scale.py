@@ -18,11 +18,17 @@ on 2 gloo ranks; its state is counted after the step and one more backward (para
 gradients and optimizer state all held at once), as ``memory_table.py`` does.
 
     OMP_NUM_THREADS=1 python benchmarks/scale.py [--sizes 8 64 256 1024] [--models 7B 70B 405B]
-        [--tp 8] [--context 8] [--rank first|last] [--no-real] [--json]
+        [--tp 8] [--context 8] [--pipeline 8] [--rank first|last] [--no-real] [--json]
 
 Tensor parallel rows (``--tp 8``): ``tensor_parallel(size=8)`` (the model's own plan) then
 ``shard()`` over the ``dp_shard`` dimension of a ``dp_shard x tp`` mesh, e.g. Llama-70B at
 tp=8 x dp_shard=128 on 1024 ranks.
+
+Pipeline parallel rows (``--pipeline 8``, the default): Llama-3.1-405B's shapes under
+``pipeline_parallel(size=8)`` + ``shard()`` + bf16 on 1024 simulated ranks (dp_shard 128 x
+pp 8; each of the 8 pipeline ranks of data rank 0 simulated, the one holding the most
+reported beside the estimate, which names the busiest rank itself). Not yet with
+tensor_parallel: pipeline_parallel does not combine with it yet.
 
 Context parallel rows (``--context 8``, the default): Llama-3.1-8B's shapes under
 ``context_parallel(size=8)`` + ``shard()`` + bf16 + activation checkpointing on 8 simulated
@@ -160,6 +166,43 @@ def simulate_context(shape: str, world: int, cp: int, tokens: int) -> dict[str, 
             "activations_rank": split.activations_bytes, "layout": split.layout}
 
 
+def simulate_pipeline(shape: str, world: int, pp: int, schedule: str) -> dict[str, Any]:
+    """Each pipeline rank of ``world`` ranks under pipeline_parallel(size=pp) + shard() +
+    bf16 on meta (data rank 0's group): the largest state one holds beside the estimate
+    (the busiest rank's, by construction)."""
+    parts = [sw.pipeline_parallel(size=pp, schedule=schedule), sw.shard(),
+             sw.mixed_precision("bf16")]
+    most: dict[str, int] = {}
+    estimate: dict[str, int] = {}
+    layout = ""
+    for rank in range(pp):
+        env = sw.Env(world_size=world, rank=rank, local_rank=rank % NODE, local_world_size=NODE,
+                     node_rank=rank // NODE, num_nodes=world // NODE, backend="fake")
+        with torch.device("meta"):
+            model = llama(shape)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if not estimate:  # the whole model, before it is cut
+            found = sw.estimate_memory(model, parts, env, optimizer=optimizer)
+            estimate = {"params": found.params_bytes, "grads": found.grads_bytes,
+                        "optimizer": found.optimizer_bytes}
+            layout = found.layout
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        try:
+            bundle = sw.pipeline(env, *parts)(model, optimizer)
+            for p in bundle.model.parameters():
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            simulated = held(bundle.model, optimizer)
+        finally:
+            dist.destroy_process_group()
+        if sum(simulated.values()) > sum(most.values(), 0):
+            most = {**simulated, "rank": rank}
+    rank = most.pop("rank")
+    return {"model": f"Llama-{shape}", "ranks": world, "rank": rank,
+            "mesh": f"dp_shard {world // pp} x pp {pp} ({schedule})", "simulated": most,
+            "estimate": estimate, "layout": layout}
+
+
 def context_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | tokens | ranks | mesh | params / grads / optimizer MiB (held) | "
              "estimate MiB | activations MiB, whole sequence | per rank |",
@@ -234,6 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, nargs="*", default=[8],
                         help="context_parallel(size=C) rows: Llama-8B, 131072 tokens, C ranks "
                              "(none: --context)")
+    parser.add_argument("--pipeline", type=int, nargs="*", default=[8],
+                        help="pipeline_parallel(size=P) x shard() rows: Llama-405B on 1024 "
+                             "ranks, the busiest stage's rank (none: --pipeline)")
+    parser.add_argument("--pipeline-model", default="405B", choices=list(SHAPES))
+    parser.add_argument("--pipeline-ranks", type=int, default=1024)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     rows = []
@@ -258,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_real:
         rows += run_distributed(two_ranks, world_size=2, timeout=300)
     context = [simulate_context("8B", cp, cp, 131072) for cp in args.context]
+    rows += [simulate_pipeline(args.pipeline_model, args.pipeline_ranks, pp, "1F1B")
+             for pp in args.pipeline]
     if args.json:
         print(json.dumps(rows + context))
         return

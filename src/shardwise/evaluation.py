@@ -21,23 +21,38 @@ from shardwise.bundle import Bundle
 from shardwise.context_split import IGNORE
 from shardwise.data import DeviceLoader
 from shardwise.engines.step_hooks import _loss_of, _sum_and_count, call_model
-from shardwise.errors import ArgumentError, LossError
+from shardwise.errors import ArgumentError, DataError, LossError
 from shardwise.metrics import _real_items
 from shardwise.step import forward_autocast
 
 __all__ = ["evaluate"]
 
 
-def _real_part(batch: Any, loader: Iterable[Any]) -> tuple[Any, bool]:
+def _real_part(batch: Any, loader: Iterable[Any], staged: bool) -> tuple[Any, bool]:
     """``batch`` cut to the samples that are not the loader's repeats, and whether any is left.
     With none left the first sample is kept (and counted nowhere): a sharded forward is a
-    collective, so every rank runs one."""
+    collective, so every rank runs one. Through pipeline stages the batch keeps its size
+    (its microbatches must divide it): the repeats' labels become -100 instead.
+
+    Raises:
+        DataError: through pipeline stages, repeats in a batch without integer labels.
+    """
     sampler = getattr(loader, "sampler", None)
     counts = _real_items(loader, getattr(sampler, "num_replicas", 1))
     size = _batch_size(batch)
     real = size if counts is None else counts[getattr(sampler, "rank", 0)]
     if real >= size:
         return batch, True
+    if staged:
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+            raise DataError("evaluate() through pipeline stages drops the samples the "
+                            "distributed loader repeats by setting their 'labels' to -100; "
+                            "this batch has no integer 'labels': use a dataset the data ranks "
+                            "divide, or drop_last=True")
+        masked = labels.clone()
+        masked[real:] = IGNORE
+        return {**batch, "labels": masked}, True
     keep = max(real, 1)
     return tree_map(lambda v: v[:keep] if isinstance(v, torch.Tensor) and v.ndim > 0
                     and v.shape[0] == size else v, batch), real > 0
@@ -138,7 +153,7 @@ def evaluate(bundle: Bundle, loader: Iterable[Any] | None = None) -> dict[str, f
     try:
         with torch.no_grad():
             for batch in loader:
-                batch, counted = _real_part(batch, loader)
+                batch, counted = _real_part(batch, loader, bundle.stages is not None)
                 if autocast is None:
                     loss, items = _sum_and_items(bundle, batch)
                 else:

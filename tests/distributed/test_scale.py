@@ -21,7 +21,9 @@ LLAMA_7B_PARAMS = 6_738_415_616
 def rows():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "8", "64", "--models", "7B",
-                           "--own-mesh", "--json"], capture_output=True, text=True, timeout=180, env=env)
+                           "--own-mesh", "--pipeline", "2", "--pipeline-model", "7B",
+                           "--pipeline-ranks", "16", "--json"],
+                          capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -110,3 +112,16 @@ def test_estimate_matches_a_simulated_3d_mesh(tp_rows):
     assert held["grads"] == pytest.approx(LLAMA_7B_PARAMS * 4 / 8, rel=1e-3)
     for part in PARTS:
         assert within(est[part], held[part]), (part, est[part], held[part])
+
+
+def test_estimate_matches_the_busiest_pipeline_stage(rows):
+    """pp=2 x dp_shard=8 on 16 simulated ranks: the rank holding the most (the head's stage)
+    holds half the layers sharded 8 ways, and the estimate names and matches it."""
+    row = by_mesh(rows, "dp_shard 8 x pp 2 (1F1B)")
+    held, est = row["simulated"], row["estimate"]
+    assert row["rank"] == 1  # the last stage: norm and head beside its layers
+    assert held["grads"] < LLAMA_7B_PARAMS * 4 // 8 * 0.55  # about half the model, 1/8 each
+    assert "rank 1 needs the most" in row["layout"]
+    for part in PARTS:
+        assert within(est[part], held[part], 0.01), (part, est[part], held[part])
+

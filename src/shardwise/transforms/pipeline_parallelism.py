@@ -224,7 +224,8 @@ class PipelineParallel(Transform):
         groups = [len(group["params"]) for group in bundle.optimizer.param_groups] \
             if bundle.optimizer is not None else []
         prune(model, split, mine)
-        model.to(env.device)
+        if not any(p.is_meta for p in model.parameters()):  # a meta model: shapes only
+            model.to(env.device)
         _keep_held(bundle.optimizer, model)
         run = PipelineRun(group=mesh["pp"].get_group(), rank=rank, size=size,
                           schedule=self.schedule, microbatches=self.microbatch_count(env),

@@ -293,6 +293,9 @@ def refusals():
     refused("loss_fn", lambda: sw.pipeline(sw.pipeline_parallel())(
         llama(), None, loss_fn=token_sum))
     refused("split", lambda: built([sw.pipeline_parallel(split=["model.layers.9"])]))
+    cut = llama()
+    cut._pp_stage = type("Stage", (), {"pp_size": 2})()  # what Transformers' own split leaves
+    refused("transformers", lambda: built([sw.pipeline_parallel()], model=cut))
     found["explain"] = sw.pipeline(sw.pipeline_parallel()).explain(llama())
     found["given"] = sw.pipeline(sw.pipeline_parallel(split=["model.layers.1"])).explain(llama())
     return found
@@ -306,6 +309,7 @@ def test_what_cannot_be_cut_or_divided_is_refused_naming_the_numbers():
     assert "3 microbatches; a batch of 4 samples does not divide" in found["microbatches"]
     assert "drop loss_fn" in found["loss_fn"]
     assert "'model.layers.9', which is not a layer" in found["split"]
+    assert "cut already by Transformers' distributed_config(pp_size=2)" in found["transformers"]
     # explain(model) names each stage's layers: balanced by parameters, or where given
     assert "stages: stage 0: model.layers.0-1 (+ embeddings)" in found["explain"]
     assert "stage 1: model.layers.2-3 (+ norm and head)" in found["explain"]

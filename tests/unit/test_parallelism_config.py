@@ -186,3 +186,12 @@ def test_two_spellings_that_disagree_are_refused_beside_deepspeed_too():
     with pytest.raises(ConfigError, match=r"parallelism_config.tp_size=2 and "
                                           r"parallelism_config.parallelism_config_tp_size=4"):
         sw.from_training_args(args, env=env())
+
+
+def test_a_pipeline_size_is_refused_naming_where_pipeline_parallel_lives():
+    """Accelerate 1.16 has no pp_size; a config that asks for one is told to use code."""
+    config = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2},
+              "parallelism_config": {"parallelism_config_pp_size": 2}}
+    with pytest.raises(ConfigError, match=r"parallelism_config\.parallelism_config_pp_size: "
+                                          r"Accelerate's parallelism_config has no pipeline size"):
+        sw.from_config(config)

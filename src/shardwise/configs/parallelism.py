@@ -142,6 +142,12 @@ def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Tr
             world size, a replicate size other than the
             number of nodes, or NO_SHARD with a shard size, naming the keys.
     """
+    staged = [k for k in block if str(k).removeprefix(PREFIX) == "pp_size"]
+    if staged:  # not Accelerate's (1.16 has no pipeline parallelism): say where it lives
+        raise ConfigError.at(src.origin, f"{where}{str(staged[0]).removeprefix(PREFIX)}: "
+                             "Accelerate's parallelism_config has "
+                             "no pipeline size (Accelerate 1.16 has no pipeline parallelism); "
+                             "pass sw.pipeline_parallel(size=...) to sw.pipeline in code")
     src.check_keys({f"{where}{str(k).removeprefix(PREFIX)}": k for k in block},
                    {f"{where}{k}" for k in KEYS})
     plain = _spellings(src, block, where)

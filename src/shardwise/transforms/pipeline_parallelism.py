@@ -198,6 +198,13 @@ class PipelineParallel(Transform):
                                 "stage's output and the batch's labels, not by a loss_fn given "
                                 "the whole model; drop loss_fn (for an nn.Sequential pass "
                                 "pipeline_parallel(loss=lambda output, target: ...))")
+        cut = getattr(unwrap(model), "_pp_stage", None)
+        if cut is not None:
+            raise ConflictError(f"{self!r}: this model was cut already by Transformers' "
+                                f"distributed_config(pp_size={getattr(cut, 'pp_size', '?')}) "
+                                "(an even split by layer count, run without a schedule); load "
+                                "it whole (no distributed_config) and let pipeline_parallel cut "
+                                "and schedule it")
         if bundle.plan.precision == "fp16":
             raise ConflictError(f"{self!r}: fp16's gradient scaling cannot reach the loss inside "
                                 "the schedule; use bf16")

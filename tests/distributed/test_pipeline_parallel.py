@@ -168,11 +168,15 @@ def checkpoints(root):
     state, _, _ = steps(bundle, state, STEPS)
     return {"saved": saved, "resumed": full_state(bundle.model), "step": state.step,
             "checkpointed": train([sw.pipeline_parallel(), sw.checkpoint_activations()])["params"],
-            "bf16": train([sw.pipeline_parallel(), sw.mixed_precision("bf16")])["params"]}
+            "bf16": train([sw.pipeline_parallel(), sw.mixed_precision("bf16")])["params"],
+            # regional compile per stage (AOTAutograd's tracing; inductor costs more time)
+            "compiled": train([sw.pipeline_parallel(),
+                               sw.compile(backend="aot_eager")])["params"]}
 
 
 def test_checkpoints_go_from_two_stages_to_one_process_and_back(reference, tmp_path):
-    """And the export is the whole model; activation checkpointing and bf16 per stage."""
+    """And the export is the whole model; activation checkpointing, bf16 and regional
+    compile per stage."""
     _, alone = built([])
     steps(alone, alone.init(), 2, save_at=2, root=tmp_path / "one")
     runs = run_distributed(checkpoints, str(tmp_path), world_size=2)
@@ -198,6 +202,8 @@ def test_checkpoints_go_from_two_stages_to_one_process_and_back(reference, tmp_p
     # itself moves the weights from fp32 in one process)
     checkpointed = whole([{"r": {"params": r["checkpointed"]}} for r in runs], "r")
     assert max_param_diff(checkpointed, reference["params"]) < 1e-5
+    compiled = whole([{"r": {"params": r["compiled"]}} for r in runs], "r")
+    assert max_param_diff(compiled, reference["params"]) < 1e-5
     bf16 = whole([{"r": {"params": r["bf16"]}} for r in runs], "r")
     drift = max_param_diff(train([sw.mixed_precision("bf16")])["params"], reference["params"])
     assert 0 < max_param_diff(bf16, reference["params"]) <= 1.5 * drift

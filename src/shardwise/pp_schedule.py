@@ -173,9 +173,12 @@ class PipelineRun:
             cls = getattr(torch_schedules, f"Schedule{self.schedule}")
             stages = [PipelineStage(module, index, self.total, self.device, group=self.group)
                       for module, index in zip(self.modules, self.stages, strict=True)]
-            self._built[key] = cls(stages if self.schedule in MULTI else stages[0],
-                                   n_microbatches=self.microbatches,
-                                   loss_fn=self._loss if with_loss else None, scale_grads=False)
+            built = cls(stages if self.schedule in MULTI else stages[0],
+                        n_microbatches=self.microbatches,
+                        loss_fn=self._loss if with_loss else None, scale_grads=False)
+            if self.schedule in V_SHAPED and not with_loss:
+                _forward_only(built)
+            self._built[key] = built
         return self._built[key]
 
     def _shared(self, losses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,12 +211,6 @@ class PipelineRun:
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The whole batch's output, forward only: on the rank of the last stage (None on
         the others)."""
-        if self.schedule in V_SHAPED:
-            raise ConflictError(f"pipeline_parallel(schedule={self.schedule!r}) cannot evaluate "
-                                "or predict: torch's runtime for its V-shaped stages checks that "
-                                "every microbatch runs backward, and has no forward-only pass; "
-                                "train with it, evaluate with a checkpoint under another "
-                                "schedule (or in one process)")
         self._check_divides(args)
         out = self._schedule(args, kwargs, False).step(*args, **kwargs)
         return out if isinstance(out, torch.Tensor) else None
@@ -264,6 +261,28 @@ class PipelineRun:
             if self.total - 1 in stages_on(self.schedule, rank, self.size, len(self.stages)):
                 return rank
         raise AssertionError("no rank holds the last stage")
+
+
+def _forward_only(schedule: Any) -> None:
+    """Keep only the forward work of a V-shaped schedule's plan (its forwards, the sends and
+    receives of activations, and the forward half of each overlapped pair), in its order.
+
+    torch 2.13 runs the V-shaped schedules only with backward (its check of a plan wants a
+    backward for every microbatch, and its runtime hands the gradients of the two stages a
+    rank holds to each other), so its forward-only pass is this: the same placement and the
+    same order of sends and receives between each pair of ranks, minus the backward work,
+    which only ever made a rank wait longer.
+    """
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    keep = {Kind.FORWARD, Kind.SEND_F, Kind.RECV_F}
+    plan: dict[int, list[Any]] = {}
+    for rank, actions in schedule.pipeline_order_with_comms.items():
+        plan[rank] = []
+        for action in actions:
+            parts = action.sub_actions or [action] if action is not None else []
+            plan[rank] += [part for part in parts if part.computation_type in keep]
+    schedule.pipeline_order_with_comms = plan
 
 
 #: the dtypes an output is sent as between ranks (its index in this tuple)

@@ -98,11 +98,8 @@ def train(parts, save_at=None, root=None, data_ranks=1):
            "explain": pipe.explain()}
     if data_ranks > 1 or not bundle.stages:  # 11 samples over 2 data ranks: one repeated
         out["padded"] = sw.evaluate(bundle, DataLoader(Prompts(size=11), batch_size=2))
-    try:
-        batch = next(iter(DataLoader(Prompts(), batch_size=GLOBAL_BATCH)))
-        out.update(evaluated=sw.evaluate(bundle), predicted=bundle.predict(batch))
-    except ConflictError as exc:  # the V-shaped schedules have no forward-only pass
-        out["refused"] = str(exc)
+    batch = next(iter(DataLoader(Prompts(), batch_size=GLOBAL_BATCH)))
+    out.update(evaluated=sw.evaluate(bundle), predicted=bundle.predict(batch))
     return out
 
 
@@ -127,8 +124,8 @@ def test_every_schedule_on_two_ranks_equals_one_process(reference):
     """GPipe and 1F1B (a stage per rank, 2 microbatches), the interleaved and zero-bubble
     schedules (2 stages per rank, 4 microbatches; DualPipeV and ZBV in a V): parameters within
     1e-5 of one process after 4 steps with accumulation 2 and clipping (one norm over both
-    stages), the same norms and losses, and the same evaluation and predictions (refused by
-    name under the V-shaped schedules, which torch runs only with backward)."""
+    stages), the same norms and losses, and the same evaluation and predictions (the V-shaped
+    schedules' forward-only pass is their plan without its backward work)."""
     runs = run_distributed(schedules, world_size=2)
     for name in SCHEDULES:
         merged = whole(runs, name)
@@ -138,9 +135,6 @@ def test_every_schedule_on_two_ranks_equals_one_process(reference):
             got = rank[name]
             assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5), name
             assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
-            if name in ("ZBVZeroBubble", "DualPipeV"):
-                assert "has no forward-only pass" in got["refused"]
-                continue
             assert got["evaluated"]["loss"] == pytest.approx(reference["evaluated"]["loss"],
                                                              rel=1e-6), name
             assert got["evaluated"]["items"] == reference["evaluated"]["items"]

@@ -26,8 +26,8 @@ tp=8 x dp_shard=128 on 1024 ranks.
 
 Pipeline parallel rows (``--pipeline 8``, the default): Llama-3.1-405B's shapes under
 ``pipeline_parallel(size=8)`` + ``shard()`` + bf16 on 1024 simulated ranks (dp_shard 128 x
-pp 8; each of the 8 pipeline ranks of data rank 0 simulated, the one holding the most
-reported beside the estimate, which names the busiest rank itself). Not yet with
+pp 8): the rank the estimate names as needing the most (its stages' state and the
+parameters they gather for compute), simulated, beside the estimate. Not yet with
 tensor_parallel: pipeline_parallel does not combine with it yet.
 
 Context parallel rows (``--context 8``, the default): Llama-3.1-8B's shapes under
@@ -167,40 +167,35 @@ def simulate_context(shape: str, world: int, cp: int, tokens: int) -> dict[str, 
 
 
 def simulate_pipeline(shape: str, world: int, pp: int, schedule: str) -> dict[str, Any]:
-    """Each pipeline rank of ``world`` ranks under pipeline_parallel(size=pp) + shard() +
-    bf16 on meta (data rank 0's group): the largest state one holds beside the estimate
-    (the busiest rank's, by construction)."""
+    """The rank the estimate names as needing the most (parameters, gradients, optimizer state
+    and the parameters gathered for compute) under pipeline_parallel(size=pp) + shard() + bf16
+    on meta, in data rank 0's pipeline group: the state it holds beside the estimate's."""
     parts = [sw.pipeline_parallel(size=pp, schedule=schedule), sw.shard(),
              sw.mixed_precision("bf16")]
-    most: dict[str, int] = {}
-    estimate: dict[str, int] = {}
-    layout = ""
-    for rank in range(pp):
-        env = sw.Env(world_size=world, rank=rank, local_rank=rank % NODE, local_world_size=NODE,
-                     node_rank=rank // NODE, num_nodes=world // NODE, backend="fake")
-        with torch.device("meta"):
-            model = llama(shape)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        if not estimate:  # the whole model, before it is cut
-            found = sw.estimate_memory(model, parts, env, optimizer=optimizer)
-            estimate = {"params": found.params_bytes, "grads": found.grads_bytes,
-                        "optimizer": found.optimizer_bytes}
-            layout = found.layout
-        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-        try:
-            bundle = sw.pipeline(env, *parts)(model, optimizer)
-            for p in bundle.model.parameters():
-                p.grad = torch.zeros_like(p)
-            optimizer.step()
-            simulated = held(bundle.model, optimizer)
-        finally:
-            dist.destroy_process_group()
-        if sum(simulated.values()) > sum(most.values(), 0):
-            most = {**simulated, "rank": rank}
-    rank = most.pop("rank")
+
+    def env_of(rank: int) -> sw.Env:
+        return sw.Env(world_size=world, rank=rank, local_rank=rank % NODE, local_world_size=NODE,
+                      node_rank=rank // NODE, num_nodes=world // NODE, backend="fake")
+
+    with torch.device("meta"):
+        model = llama(shape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    found = sw.estimate_memory(model, parts, env_of(0), optimizer=optimizer)
+    rank = int(found.layout.split("rank ", 1)[1].split(" ", 1)[0])  # "... rank 7 needs the most"
+    env = env_of(rank)
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        bundle = sw.pipeline(env, *parts)(model, optimizer)
+        for p in bundle.model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        simulated = held(bundle.model, optimizer)
+    finally:
+        dist.destroy_process_group()
     return {"model": f"Llama-{shape}", "ranks": world, "rank": rank,
-            "mesh": f"dp_shard {world // pp} x pp {pp} ({schedule})", "simulated": most,
-            "estimate": estimate, "layout": layout}
+            "mesh": f"dp_shard {world // pp} x pp {pp} ({schedule})", "simulated": simulated,
+            "estimate": {"params": found.params_bytes, "grads": found.grads_bytes,
+                         "optimizer": found.optimizer_bytes}, "layout": found.layout}
 
 
 def context_table(rows: list[dict[str, Any]]) -> str:

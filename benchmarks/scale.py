@@ -134,6 +134,21 @@ def simulate(shape: str, world: int, hsdp: bool, last: bool,
             "simulated": simulated, "estimate": estimate}
 
 
+def held_after_step(env: sw.Env, parts: list[sw.Transform], model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What rank ``env.rank`` of a fake process group holds once ``parts`` are applied to the
+    meta ``model``: its shards, a zero gradient for each, and one AdamW step's state."""
+    dist.init_process_group("fake", rank=env.rank, world_size=env.world_size, store=FakeStore())
+    try:
+        bundle = sw.pipeline(env, *parts)(model, optimizer)
+        for p in bundle.model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        return held(bundle.model, optimizer)
+    finally:
+        dist.destroy_process_group()
+
+
 def simulate_context(shape: str, world: int, cp: int, tokens: int) -> dict[str, Any]:
     """Rank 0 of ``world`` ranks under context_parallel(size=cp) + shard() on meta: the state
     it holds beside the estimate, and the estimate's activations for one sequence of
@@ -149,15 +164,7 @@ def simulate_context(shape: str, world: int, cp: int, tokens: int) -> dict[str, 
     whole = sw.estimate_memory(model, base, env, batch=batch, optimizer=optimizer)
     parts = [sw.context_parallel(size=cp), *base]
     split = sw.estimate_memory(model, parts, env, batch=batch, optimizer=optimizer)
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    try:
-        bundle = sw.pipeline(env, *parts)(model, optimizer)
-        for p in bundle.model.parameters():
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        simulated = held(bundle.model, optimizer)
-    finally:
-        dist.destroy_process_group()
+    simulated = held_after_step(env, parts, model, optimizer)
     return {"model": f"Llama-{shape}", "ranks": world, "tokens": tokens,
             "mesh": f"dp_shard {world // cp} x cp {cp}", "simulated": simulated,
             "estimate": {"params": split.params_bytes, "grads": split.grads_bytes,
@@ -182,16 +189,7 @@ def simulate_pipeline(shape: str, world: int, pp: int, schedule: str) -> dict[st
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     found = sw.estimate_memory(model, parts, env_of(0), optimizer=optimizer)
     rank = int(found.layout.split("rank ", 1)[1].split(" ", 1)[0])  # "... rank 7 needs the most"
-    env = env_of(rank)
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    try:
-        bundle = sw.pipeline(env, *parts)(model, optimizer)
-        for p in bundle.model.parameters():
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        simulated = held(bundle.model, optimizer)
-    finally:
-        dist.destroy_process_group()
+    simulated = held_after_step(env_of(rank), parts, model, optimizer)
     return {"model": f"Llama-{shape}", "ranks": world, "rank": rank,
             "mesh": f"dp_shard {world // pp} x pp {pp} ({schedule})", "simulated": simulated,
             "estimate": {"params": found.params_bytes, "grads": found.grads_bytes,

@@ -25,6 +25,32 @@ def token_loss(model, batch):
     return loss, (batch["labels"] != -100).sum()
 
 
+class Prompts(torch.utils.data.Dataset):
+    """Token ids whose labels mask a prompt of 1..``prompt``-1 tokens and right padding of
+    0..``pad``-1 tokens (mask 0, label -100): token counts differ per sample, per batch and
+    per slice or microbatch."""
+
+    def __init__(self, size=48, seq=16, vocab=64, prompt=8, pad=6):
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, vocab, (size, seq), generator=gen)
+        self.labels = self.ids.clone()
+        self.mask = torch.ones_like(self.ids)
+        for i in range(size):
+            masked = int(torch.randint(1, prompt, (), generator=gen))
+            padded = int(torch.randint(0, pad, (), generator=gen))
+            self.labels[i, :masked] = -100
+            if padded:
+                self.ids[i, -padded:] = 0
+                self.labels[i, -padded:] = -100
+                self.mask[i, -padded:] = 0
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i], "attention_mask": self.mask[i]}
+
+
 def masked_micro_batches(count=3, size=2, seq=10, vocab=32, seed=0):
     """``count`` token micro-batches whose labels are masked unevenly (different item counts)."""
     gen = torch.Generator().manual_seed(seed)

@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from shardwise.env import Env
-from shardwise.errors import EnvError
+from shardwise.errors import ConflictError, EnvError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MeshLayout", "layout", "layout_of", "tp_size", "build", "batch_copies", "data_mesh"]
+__all__ = ["MeshLayout", "layout", "layout_of", "tp_size", "build", "batch_copies", "data_mesh",
+           "with_dimension"]
 
 
 @attrs.frozen
@@ -201,3 +202,19 @@ def build(env: Env, mesh: MeshLayout) -> DeviceMesh:
 
     return init_device_mesh(env.device.type, tuple(size for _, size in mesh.dims),
                             mesh_dim_names=tuple(name for name, _ in mesh.dims))
+
+
+def with_dimension(mesh: DeviceMesh | None, env: Env, layout: MeshLayout | None, name: str,
+                   size: int, who: str) -> DeviceMesh:
+    """The bundle's ``mesh`` (or, applied by hand, one built for ``layout``), checked to have
+    dimension ``name`` of ``size`` ranks.
+
+    Raises:
+        ConflictError: it has not, naming ``who``.
+    """
+    found = mesh if mesh is not None else build(env, layout) if layout is not None else None
+    if found is None or name not in (found.mesh_dim_names or ()) or int(found[name].size()) != size:
+        raise ConflictError(f"{who}: the bundle's mesh {found} has no '{name}' dimension of size "
+                            f"{size}; let sw.pipeline(...) build it")
+    return found
+

@@ -6,11 +6,13 @@ and gathered logits must too."""
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Subset
 
 import shardwise as sw
 from shardwise.errors import ConflictError
 from shardwise.testing import full_state, max_param_diff, run_distributed
+
+from conftest import Prompts
 
 pytest.importorskip("transformers")
 
@@ -18,31 +20,6 @@ GLOBAL_BATCH = 4
 STEPS = 4  # optimizer steps
 ACCUMULATE = 2
 SEQ = 16
-
-
-class Prompts(Dataset):
-    """Token ids whose labels mask a prompt of 1..7 tokens, and right padding of 0..5 tokens
-    (mask 0, label -100): token counts differ per sample, per batch and per slice."""
-
-    def __init__(self, size=48, seq=SEQ, vocab=64):
-        gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(1, vocab, (size, seq), generator=gen)
-        self.labels = self.ids.clone()
-        self.mask = torch.ones_like(self.ids)
-        for i in range(size):
-            prompt = int(torch.randint(1, 8, (), generator=gen))
-            pad = int(torch.randint(0, 6, (), generator=gen))
-            self.labels[i, :prompt] = -100
-            if pad:
-                self.ids[i, -pad:] = 0
-                self.labels[i, -pad:] = -100
-                self.mask[i, -pad:] = 0
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i], "attention_mask": self.mask[i]}
 
 
 def llama():

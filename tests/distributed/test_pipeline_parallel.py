@@ -6,11 +6,13 @@ pp=2 to one process and back; a non-finite gradient on one stage stops every sta
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import shardwise as sw
 from shardwise.errors import ArgumentError, ConflictError, NonFiniteError
 from shardwise.testing import full_state, max_param_diff, run_distributed
+
+from conftest import Prompts as SharedPrompts
 
 pytest.importorskip("transformers")
 
@@ -22,29 +24,11 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
              "ZBVZeroBubble", "DualPipeV")
 
 
-class Prompts(Dataset):
-    """Token ids whose labels mask a prompt of 1..3 tokens, and right padding of 0..2 tokens
-    (mask 0, label -100): token counts differ per sample and per microbatch."""
+class Prompts(SharedPrompts):
+    """Prompts of 1..3 tokens and right padding of 0..2 over 8 tokens."""
 
-    def __init__(self, size=32, seq=SEQ, vocab=64):
-        gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(1, vocab, (size, seq), generator=gen)
-        self.labels = self.ids.clone()
-        self.mask = torch.ones_like(self.ids)
-        for i in range(size):
-            prompt = int(torch.randint(1, 4, (), generator=gen))
-            pad = int(torch.randint(0, 3, (), generator=gen))
-            self.labels[i, :prompt] = -100
-            if pad:
-                self.ids[i, -pad:] = 0
-                self.labels[i, -pad:] = -100
-                self.mask[i, -pad:] = 0
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i], "attention_mask": self.mask[i]}
+    def __init__(self, size=32):
+        super().__init__(size=size, seq=SEQ, prompt=4, pad=3)
 
 
 def llama(layers=4, tied=False):
@@ -232,10 +216,14 @@ def nonfinite(stage_rank, on_nonfinite):
             "unchanged": max_param_diff(full_state(bundle.model), before)}
 
 
+def nonfinite_both(stage_rank):
+    return {mode: nonfinite(stage_rank, mode) for mode in ("skip", "raise")}
+
+
 def test_a_nonfinite_gradient_on_one_stage_stops_every_stage():
+    runs = run_distributed(nonfinite_both, 0, world_size=2)
     for on_nonfinite in ("skip", "raise"):
-        runs = run_distributed(nonfinite, 0, on_nonfinite, world_size=2)
-        for rank in runs:
+        for rank in (r[on_nonfinite] for r in runs):
             assert rank["unchanged"] == 0.0  # nothing applied on either stage
             if on_nonfinite == "skip":
                 assert rank["skipped"] == 1

@@ -14,7 +14,7 @@ from shardwise.context_split import ContextSplit
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import build, layout_of
+from shardwise.mesh import layout_of, with_dimension
 from shardwise.plan import Plan
 from shardwise.transforms.base import Stage, Transform
 
@@ -109,11 +109,7 @@ class ContextParallel(Transform):
         if bundle.context is not None:
             raise ConflictError(f"{self!r}: the bundle splits sequences already")
         ensure_process_group(env)
-        mesh = bundle.mesh if bundle.mesh is not None else build(env, layout) if layout else None
-        names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-        if mesh is None or "cp" not in names or int(mesh["cp"].size()) != size:
-            raise ConflictError(f"{self!r}: the bundle's mesh {mesh} has no 'cp' dimension of "
-                                f"size {size}; let sw.pipeline(...) build it")
+        mesh = with_dimension(bundle.mesh, env, layout, "cp", size, repr(self))
         cp = mesh["cp"]
         split = ContextSplit(cp.get_group(), int(cp.get_local_rank()), size, self.method)
         tensor = bundle.plan.tensor_parallel  # each rank's heads are 1/tp of them already

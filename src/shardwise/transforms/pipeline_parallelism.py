@@ -15,7 +15,7 @@ from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import build, layout_of
+from shardwise.mesh import layout_of, with_dimension
 from shardwise.meta_init import is_rank0_weights
 from shardwise.plan import Plan
 from shardwise.pp_schedule import (
@@ -215,11 +215,7 @@ class PipelineParallel(Transform):
         refuse_state(bundle.optimizer)
         ensure_process_group(env)
         layout = layout_of(env, [self])
-        mesh = bundle.mesh if bundle.mesh is not None else build(env, layout) if layout else None
-        if mesh is None or "pp" not in (mesh.mesh_dim_names or ()) or \
-                int(mesh["pp"].size()) != size:
-            raise ConflictError(f"{self!r}: the bundle's mesh {mesh} has no 'pp' dimension of "
-                                f"size {size}; let sw.pipeline(...) build it")
+        mesh = with_dimension(bundle.mesh, env, layout, "pp", size, repr(self))
         split = self.split_for(model, env)
         if split.kind == "sequential" and self.loss is None:
             raise ConflictError(f"{self!r}: an nn.Sequential has no loss of its own; pass "

@@ -17,7 +17,7 @@ from shardwise.distributed import ensure_process_group
 from shardwise.engines import Engine, LocalEngine, TPEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import build, layout_of
+from shardwise.mesh import layout_of, with_dimension
 from shardwise.meta_init import is_rank0_weights
 from shardwise.plan import Plan
 from shardwise.tp_plan import (
@@ -170,12 +170,7 @@ class TensorParallel(Transform):
         chosen = self.resolved(model, size)
         ensure_process_group(env)
         layout = layout_of(env, [self])
-        mesh = bundle.mesh if bundle.mesh is not None else build(env, layout) if layout else None
-        if mesh is None:
-            return bundle
-        if "tp" not in (mesh.mesh_dim_names or ()) or int(mesh["tp"].size()) != size:
-            raise ConflictError(f"{self!r}: the bundle's mesh {mesh} has no 'tp' dimension of "
-                                f"size {size}; let sw.pipeline(...) build it")
+        mesh = with_dimension(bundle.mesh, env, layout, "tp", size, repr(self))
         names = param_names(model)
         if not all(p.is_meta for p in model.parameters()):  # a meta model: shapes only
             model.to(env.device)

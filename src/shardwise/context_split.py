@@ -20,18 +20,35 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from shardwise.engines.step_hooks import call_model
 from shardwise.errors import ConflictError, LossError
 from shardwise.ulysses import Attend, sequence_slice, ulysses_attention
 
-__all__ = ["ContextSplit", "IGNORE", "REGISTRY_NAME", "ADDED"]
+__all__ = ["ContextSplit", "IGNORE", "REGISTRY_NAME", "ADDED", "next_token_labels",
+           "causal_lm_loss"]
 
 #: the label that marks a position no loss is computed for (Transformers' and torch's default)
 IGNORE = -100
 #: the name shardwise's attention function is registered under in Transformers' registry
 REGISTRY_NAME = "shardwise_context_parallel"
+
+
+def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's label for the next token (``[batch, sequence]``), ``-100`` at each
+    sequence's end: a causal LM's shift, done before a batch is cut (into slices here, into
+    microbatches by ``pipeline_parallel``)."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], 1)
+
+
+def causal_lm_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transformers' causal LM loss as a sum over the labelled tokens (logits upcast to
+    fp32, ``-100`` ignored), with their count; ``target`` already shifted."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten().to(logits.device),
+                           ignore_index=IGNORE, reduction="sum")
+    return loss, (target != IGNORE).sum()
 
 
 def _sequence_length(batch: Mapping[str, Any]) -> int:
@@ -136,7 +153,7 @@ class ContextSplit:
                                 "not supported; pass one document per sequence")
         labels = batch.get("shift_labels", batch.get("labels"))
         if isinstance(labels, torch.Tensor) and "shift_labels" not in batch:
-            labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], 1)
+            labels = next_token_labels(labels)
         reference = batch.get("input_ids", batch.get("inputs_embeds"))
         if "position_ids" not in out and isinstance(reference, torch.Tensor):
             out["position_ids"] = torch.arange(length, device=reference.device).expand(

@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from shardwise.bundle import Bundle
-from shardwise.context_split import IGNORE
+from shardwise.context_split import IGNORE, causal_lm_loss
 from shardwise.data import DeviceLoader
 from shardwise.engines.step_hooks import _loss_of, _sum_and_count, call_model
 from shardwise.errors import ArgumentError, DataError, LossError
@@ -82,10 +81,7 @@ def _sum_and_items(bundle: Bundle, batch: Any) -> tuple[torch.Tensor, torch.Tens
         logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
         if _causal_lm(bundle.engine.unwrap(bundle.model)) and isinstance(labels, torch.Tensor) \
                 and isinstance(logits, torch.Tensor):  # Transformers' causal LM loss, as a sum
-            shifted = labels[:, 1:].to(logits.device)
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), shifted.flatten(),
-                                   ignore_index=IGNORE, reduction="sum")
-            return loss, (shifted != IGNORE).sum()
+            return causal_lm_loss(logits[:, :-1], labels[:, 1:])
         loss = _loss_of(out)
     # a plain loss: the mean over the batch's samples (class labels: those not -100)
     labels = batch.get("labels") if isinstance(batch, Mapping) else None

@@ -19,15 +19,12 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from shardwise.context_split import causal_lm_loss, next_token_labels
 from shardwise.errors import ConflictError, LossError
 
-__all__ = ["SCHEDULES", "PipelineRun", "stages_on", "bubble", "IGNORE"]
-
-#: the label that marks a position no loss is computed for
-IGNORE = -100
+__all__ = ["SCHEDULES", "PipelineRun", "stages_on", "bubble"]
 #: every schedule torch offers, by the name ``pipeline_parallel(schedule=...)`` takes
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
              "ZBVZeroBubble", "DualPipeV")
@@ -54,14 +51,6 @@ def bubble(schedule: str, size: int, per_rank: int, microbatches: int) -> float:
     (v·m + p - 1) for v stages per rank; a zero-bubble schedule fills most of it with
     weight-gradient work (this is the bound before that filling)."""
     return (size - 1) / (per_rank * microbatches + size - 1)
-
-
-def causal_lm_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Transformers' causal LM loss as a sum over the labelled tokens, with their count
-    (``target`` already shifted)."""
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten().to(logits.device),
-                           ignore_index=IGNORE, reduction="sum")
-    return loss, (target != IGNORE).sum()
 
 
 def _sum_and_count(result: Any, target: Any) -> tuple[torch.Tensor, Any]:
@@ -141,7 +130,7 @@ class PipelineRun:
         labels = batch.get("labels")
         target = None
         if isinstance(labels, torch.Tensor):  # shifted before the cut, as the model shifts
-            target = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], 1)
+            target = next_token_labels(labels)
         return (batch["input_ids"],), ({"attention_mask": mask} if mask is not None else {}), \
             target
 

@@ -13,7 +13,6 @@ from torch.utils.data import DataLoader, IterableDataset
 from shardwise.env import Env
 from shardwise.errors import PolicyError
 from shardwise.memory import SAFE_FRACTION, budget, estimate_memory
-from shardwise.mesh import layout_of
 from shardwise.transforms.activation_checkpointing import (
     CheckpointActivations,
     checkpoint_activations,
@@ -59,20 +58,6 @@ def choose_distribution(env: Env, given: list[Transform], model: nn.Module,
                         optimizer: torch.optim.Optimizer | None,
                         batch: Any) -> tuple[list[Transform], str]:
     """The distribution transforms for ``model`` under ``env``, and the reason with numbers."""
-    stages = next((t for t in given if "pp" in t.mesh_dims()), None)
-    if stages is not None:  # the stages' forward is not DDP's: only shard() runs them
-        data = stages.data_distribution(env)  # type: ignore[attr-defined]
-        return ([data] if data else []), (
-            f"default: pipeline_parallel groups of {stages.group_size(env)} ranks "  # type: ignore[attr-defined]
-            f"leave {env.world_size // stages.group_size(env)} data rank(s)"  # type: ignore[attr-defined]
-            + ("; DDP does not run stages, so shard()" if data else ""))
-    tensor = next((t for t in given if "tp" in t.mesh_dims()), None)
-    if tensor is not None:  # not a memory question: only shard() runs split layers
-        chosen = tensor.data_distribution(env)  # type: ignore[attr-defined]
-        mesh = layout_of(env, [tensor])
-        return ([chosen] if chosen else []), (
-            f"default: tensor_parallel groups leave {env.world_size} / "
-            f"{mesh.tp if mesh else 1} data ranks; DDP cannot run DTensor layers, so shard()")
     limit = budget(env)
     if limit is None:
         return [replicate()], (f"default: {env.world_size} processes; device memory unknown, "

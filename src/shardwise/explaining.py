@@ -60,7 +60,7 @@ def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
     if mesh is None or mesh.copies == 1:  # data dimensions alone: said by shard()
         return []
     data = mesh.data_ranks(env.world_size)
-    inner = " x ".join(name for name, _ in mesh.dims if name in ("cp", "tp"))
+    inner = " x ".join(name for name, _ in mesh.dims if name in ("pp", "cp", "tp"))
     lines = [f"  mesh: {mesh.describe()} over {env.world_size} ranks; {inner} innermost: the "
              f"{mesh.copies} ranks of a {inner} block are consecutive (on one node), as their "
              "collectives run in every layer, and read the same batch; data split over "
@@ -74,7 +74,8 @@ def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
             "as replicated DTensors, with no sequence or loss parallelism (torchtitan splits "
             "them): activations around them are whole and results equal one process's; the "
             "plan is applied to the model you pass (Accelerate has Transformers apply it in "
-            "from_pretrained); every rank starts from rank 0's weights")
+            "from_pretrained); every rank starts from rank 0's weights" +
+            (" (each stage from the first rank holding it)" if mesh.pp > 1 else ""))
     if mesh.cp > 1:
         lines.append(
             "  context parallel: labels are shifted before the sequence is cut (done for "

@@ -229,22 +229,45 @@ def _transforms(pipeline: _HasTransforms | Sequence[Transform] | None) -> list[T
     return list(pipeline if isinstance(pipeline, Sequence) else pipeline.transforms)
 
 
+def split_default(env: Env, transforms: Sequence[Transform]) -> tuple[list[Transform], str] | None:
+    """The default distribution when ``pipeline_parallel`` or ``tensor_parallel`` splits the
+    model (DDP runs neither a pipeline's stages nor DTensor layers): ``shard()`` over the
+    ranks that hold the same part (data and context-parallel ranks, whose gradients are
+    reduced together), or nothing when one ``pp x tp`` block spans the world; with the
+    reason. None without either (the memory estimate chooses then). The one place this is
+    decided: the default choice and the memory estimate ask it."""
+    splitting = [t for t in transforms if {"pp", "tp"} & set(t.mesh_dims())]
+    if not splitting or not env.is_distributed:
+        return None
+    from shardwise.mesh import layout_of
+    from shardwise.transforms.sharding import shard
+
+    mesh = layout_of(env, transforms)
+    block = mesh.pp * mesh.tp if mesh is not None else 1
+    holders = env.world_size // block
+    names = " x ".join(type(t).factory_name for t in splitting)
+    reason = (f"default: {names} groups of {block} ranks leave {holders} rank(s) holding each "
+              "part")
+    if holders == 1:
+        return [], reason
+    return [shard()], reason + "; DDP runs neither pipeline stages nor DTensor layers, so shard()"
+
+
 def engine_of(transforms: Sequence[Transform], env: Env) -> Engine:
     """The engine ``transforms`` would put in a bundle under ``env`` (none given: replicate,
-    or under ``tensor_parallel`` shard() over the data ranks, or its own engine when the
-    group spans the world)."""
+    or under tensor or pipeline parallelism shard() over the data ranks, or the splitting
+    transform's own engine when its groups span the world)."""
     plan = plan_of(transforms)
     distribution = next((t for t in transforms if isinstance(t, Distribution)), None)
-    if distribution is None and plan.pipeline_parallel is not None and env.is_distributed:
-        distribution = plan.pipeline_parallel.data_distribution(env)  # shard() or nothing
-        if distribution is None:
+    default = split_default(env, transforms)
+    if distribution is None and default is not None:
+        if not default[0]:
+            if plan.tensor_parallel is not None:
+                return plan.tensor_parallel.engine(env)
             from shardwise.engines import LocalEngine
 
-            return LocalEngine()
-    if distribution is None and plan.tensor_parallel is not None and env.is_distributed:
-        distribution = plan.tensor_parallel.data_distribution(env)
-        if distribution is None:
-            return plan.tensor_parallel.engine(env)
+            return LocalEngine()  # each rank its stages, nothing shared
+        distribution = default[0][0]  # type: ignore[assignment]
     engine = (distribution or replicate()).engine(env, plan)
     if env.is_distributed and any(isinstance(t, ShardOptimizer) for t in transforms):
         engine = engine.with_sharded_optimizer(None)

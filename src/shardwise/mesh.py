@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["MeshLayout", "layout", "layout_of", "tp_size", "build", "batch_copies", "data_mesh",
-           "with_dimension"]
+           "with_dimension", "stage_peers"]
 
 
 @attrs.frozen
@@ -218,3 +218,18 @@ def with_dimension(mesh: DeviceMesh | None, env: Env, layout: MeshLayout | None,
                             f"{size}; let sw.pipeline(...) build it")
     return found
 
+
+
+def stage_peers(mesh: DeviceMesh) -> Any:
+    """The process group of the ranks that hold the same pipeline stages as this one (every
+    dimension of ``mesh`` but ``pp``), or the whole world's when ``mesh`` has no ``pp``.
+    Collective: every rank calls it (one group is made per stage position)."""
+    import torch.distributed as dist
+
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names:
+        return dist.group.WORLD
+    axis = names.index("pp")
+    ranks = mesh.mesh.movedim(axis, 0).reshape(mesh.mesh.shape[axis], -1)
+    groups = [dist.new_group(row.tolist()) for row in ranks]
+    return groups[int(mesh["pp"].get_local_rank())]

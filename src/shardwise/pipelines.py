@@ -21,6 +21,7 @@ from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError
 from shardwise.explaining import describe
+from shardwise.memory import split_default
 from shardwise.mesh import build as build_mesh
 from shardwise.mesh import layout_of as mesh_layout_of
 from shardwise.plan import LossFn, Plan
@@ -260,10 +261,14 @@ def assemble(env: Env, given: list[Transform], config: Configured | None, *,
         transform.check(env)
     steps = [*(Step(t, "config", reason) for t in configured), *(Step(t) for t in given)]
     steps += _defaults(env, transforms)
+    distributes = any(t.stage == Stage.DISTRIBUTION for t in transforms)
+    # split layers or stages: shard() over the ranks holding each part, or nothing (known
+    # before the model is: not a memory question)
+    split = None if distributes else split_default(env, transforms)
+    if split is not None:
+        steps += [Step(t, "default", split[1]) for t in split[0]]
+        notes = notes if split[0] else (*notes, f"no distribution transform: {split[1]}")
     steps.sort(key=lambda s: s.transform.stage)  # stable: user order kept within a stage
-    mesh = mesh_layout_of(env, transforms)
-    # a tensor-parallel group as large as the world leaves no data dimension to distribute
-    choose = env.is_distributed and not any(t.stage == Stage.DISTRIBUTION for t in transforms) \
-        and not (mesh is not None and mesh.tp == env.world_size)
+    choose = env.is_distributed and not distributes and split is None
     return Pipeline(env=env, steps=tuple(steps), on_nonfinite=on_nonfinite,
                     choose_distribution=choose, notes=notes, fit_options=fit_options or {})

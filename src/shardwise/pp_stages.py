@@ -33,7 +33,15 @@ Kind = Literal["decoder", "sequential"]
 
 
 class Elsewhere(nn.Module):
-    """Stands for a module another stage holds: no parameters; passes its first input on."""
+    """Stands for a module another stage holds: no parameters; passes its first input on.
+    ``names`` keeps the names of the submodules it stands for (relative, ``""`` for the
+    module itself), so that a plan naming modules of the whole model can tell a module held
+    elsewhere from one that does not exist."""
+
+    def __init__(self, replaced: nn.Module | None = None) -> None:
+        super().__init__()
+        self.names: tuple[str, ...] = tuple(name for name, _ in replaced.named_modules()) \
+            if replaced is not None else ()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return args[0] if args else next(iter(kwargs.values()))
@@ -216,17 +224,30 @@ def prune(model: nn.Module, split: StageSplit, mine: Sequence[int]) -> None:
     if split.kind == "sequential":
         for index, name in enumerate(split.layer_names):
             if index not in held:
-                model._modules[name] = Elsewhere()
+                model._modules[name] = Elsewhere(model._modules[name])
         return
     _, inner = decoder_parts(model)  # type: ignore[misc]
     for index in range(len(split.layer_names)):
         if index not in held:
-            inner.layers[index] = Elsewhere()
+            inner.layers[index] = Elsewhere(inner.layers[index])
     if 0 not in mine:
-        inner.embed_tokens = Elsewhere()
+        inner.embed_tokens = Elsewhere(inner.embed_tokens)
     if split.stages - 1 not in mine:
-        inner.norm = Elsewhere()
-        model.lm_head = Elsewhere()
+        inner.norm = Elsewhere(inner.norm)
+        model.lm_head = Elsewhere(model.lm_head)  # type: ignore[arg-type]
+
+
+def all_module_names(model: nn.Module) -> list[str]:
+    """The names of ``model``'s modules before it was cut: those it holds and those an
+    :class:`Elsewhere` stands for (never the ``Elsewhere`` itself)."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, Elsewhere):
+            names += [f"{name}.{inner}" if inner and name else inner or name
+                      for inner in module.names]
+        else:
+            names.append(name)
+    return names
 
 
 class DecoderStage(nn.Module):

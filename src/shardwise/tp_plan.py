@@ -99,7 +99,12 @@ def resolve(model: nn.Module, plan: Mapping[str, Any], size: int) -> dict[str, A
         ConflictError: a pattern that matches no module, a module torch cannot split, a
             dimension that does not divide by ``size``, heads that do not, a tied weight.
     """
-    modules = dict(model.named_modules())
+    from shardwise.pp_stages import Elsewhere, all_module_names
+
+    # under pipeline_parallel a rank holds its stages' modules; the others are Elsewhere
+    modules = {n: m for n, m in model.named_modules() if not isinstance(m, Elsewhere)}
+    cut = len(modules) < sum(1 for _ in model.named_modules())
+    whole = all_module_names(model) if cut else list(modules)
     chosen: dict[str, Any] = {}
     for pattern, style in plan.items():
         if isinstance(style, str) and style not in STYLES:  # a model's own plan, unchecked
@@ -109,7 +114,7 @@ def resolve(model: nn.Module, plan: Mapping[str, Any], size: int) -> dict[str, A
                                 "ParallelStyle objects) instead of 'auto'")
         matcher = _matcher(pattern)
         names = [n for n in modules if n and matcher.fullmatch(n)]
-        if not names:
+        if not names and not any(n and matcher.fullmatch(n) for n in whole):
             sample = ", ".join(n for n in list(modules)[1:6])
             raise ConflictError(f"tensor_parallel(): plan entry {pattern!r} matches no module of "
                                 f"{type(model).__name__} (its modules start {sample}, ...); fix "

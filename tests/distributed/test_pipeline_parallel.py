@@ -232,20 +232,30 @@ def test_a_nonfinite_gradient_on_one_stage_stops_every_stage():
 
 
 def four_ranks(root):
-    """pp=2 x dp_shard=2: each stage sharded (FSDP2) over its 2 data ranks, 1F1B,
-    Interleaved1F1B and LoopedBFS (2 microbatches of a data rank's 2 samples); a checkpoint
-    at step 2."""
+    """pp=2 x dp_shard=2: each stage sharded (FSDP2) over its 2 data ranks, 1F1B and
+    Interleaved1F1B (2 microbatches of a data rank's 2 samples); a checkpoint at step 2.
+    And pp=2 x tp=2 with no data ranks (LoopedBFS): no distribution is chosen."""
     staged = [sw.pipeline_parallel(size=2), sw.shard()]
-    out = {"1F1B": train(staged, save_at=2, root=root, data_ranks=2)}
-    for schedule in ("Interleaved1F1B", "LoopedBFS"):
-        out[schedule] = train([sw.pipeline_parallel(size=2, schedule=schedule, microbatches=2),
-                               sw.shard()], data_ranks=2)
+    out = {"1F1B": train(staged, save_at=2, root=root, data_ranks=2),
+           "Interleaved1F1B": train([sw.pipeline_parallel(size=2, schedule="Interleaved1F1B",
+                                                          microbatches=2), sw.shard()],
+                                    data_ranks=2)}
+    out["tp"] = train([sw.pipeline_parallel(size=2, schedule="LoopedBFS"),
+                       sw.tensor_parallel(size=2)])
     return out
 
 
 def test_two_stages_times_two_data_ranks_on_four_ranks_equal_one_process(reference, tmp_path):
     runs = run_distributed(four_ranks, str(tmp_path), world_size=4)
-    for name in ("1F1B", "Interleaved1F1B", "LoopedBFS"):
+    split = {**runs[0]["tp"]["params"], **runs[2]["tp"]["params"]}  # pp=2 x tp=2
+    assert max_param_diff(split, reference["params"]) < 1e-5
+    for rank in runs:
+        assert rank["tp"]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert rank["tp"]["evaluated"]["loss"] == pytest.approx(reference["evaluated"]["loss"],
+                                                                rel=1e-6)
+    assert ("no distribution transform: default: pipeline_parallel x tensor_parallel groups "
+            "of 4 ranks leave 1 rank(s) holding each part") in runs[0]["tp"]["explain"]
+    for name in ("1F1B", "Interleaved1F1B"):
         # ranks 0, 1 are one pipeline (data rank 0), 2, 3 the other: each holds its stages
         merged = whole(runs[:2], name)
         assert max_param_diff(merged, reference["params"]) < 1e-5, name
@@ -260,6 +270,45 @@ def test_two_stages_times_two_data_ranks_on_four_ranks_equal_one_process(referen
     assert "dp_shard=2 x pp=2" in runs[0]["1F1B"]["explain"]
     _, one = built([])
     state = sw.load(tmp_path, one)  # saved by 4 ranks, sharded and staged
+    steps(one, state, STEPS)
+    assert max_param_diff(full_state(one.model), reference["params"]) < 1e-5
+
+
+def with_tensor_parallel(root):
+    """pp=2 x tp=2 x dp_shard=2: each stage's layers split over its 2 tensor-parallel ranks,
+    and each stage's parts sharded (FSDP2) over its 2 data ranks; 1F1B (a checkpoint at step
+    2) and Interleaved1F1B."""
+    return {name: train([sw.pipeline_parallel(size=2, schedule=name, microbatches=2),
+                         sw.tensor_parallel(size=2), sw.shard()],
+                        save_at=2 if name == "1F1B" else None, root=root, data_ranks=2)
+            for name in ("1F1B", "Interleaved1F1B")}
+
+
+def test_stages_times_tensor_parallel_times_data_ranks_on_eight_ranks_equal_one_process(
+        reference, tmp_path):
+    """Parameters, norms, losses, evaluation and predictions as one process's; the 8-rank
+    checkpoint (the stages' parts split into DTensors and sharded) resumed in one process."""
+    runs = run_distributed(with_tensor_parallel, str(tmp_path), world_size=8)
+    for name in ("1F1B", "Interleaved1F1B"):
+        # mesh dp_shard=2 x pp=2 x tp=2: ranks 0-3 read data share 0, 4-7 share 1; ranks 0, 1
+        # split the stage(s) of pipeline rank 0, ranks 2, 3 those of pipeline rank 1
+        merged = {**runs[0][name]["params"], **runs[2][name]["params"]}
+        assert set(merged) == set(reference["params"]), name
+        assert max_param_diff(merged, reference["params"]) < 1e-5, name
+        for peer in (1, 4, 5):  # its tensor-parallel peer and its data replicas agree
+            assert max_param_diff(runs[peer][name]["params"], runs[0][name]["params"]) == 0.0
+        for rank in runs:
+            got = rank[name]
+            assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5), name
+            assert got["evaluated"]["loss"] == pytest.approx(reference["evaluated"]["loss"],
+                                                             rel=1e-6), name
+            assert got["padded"] == pytest.approx(reference["padded"], rel=1e-6), name
+            torch.testing.assert_close(got["predicted"].logits, reference["predicted"].logits,
+                                       rtol=0, atol=1e-5)
+    assert "dp_shard=2 x pp=2 x tp=2" in runs[0]["1F1B"]["explain"]
+    _, one = built([])
+    state = sw.load(tmp_path, one)
+    assert state.step == 2
     steps(one, state, STEPS)
     assert max_param_diff(full_state(one.model), reference["params"]) < 1e-5
 
@@ -316,6 +365,6 @@ def test_arguments_are_checked():
     with pytest.raises(ConflictError, match="use shard.. for the data ranks"):
         sw.pipeline(sw.pipeline_parallel(), sw.replicate())
     with pytest.raises(ConflictError, match="not combined with pipeline_parallel yet"):
-        sw.pipeline(sw.pipeline_parallel(), sw.tensor_parallel())
+        sw.pipeline(sw.pipeline_parallel(), sw.context_parallel())
     with pytest.raises(ConflictError, match="zero-bubble schedule 'DualPipeV' trained apart"):
         sw.pipeline(sw.pipeline_parallel(schedule="DualPipeV"), sw.shard())

@@ -331,7 +331,7 @@ def test_the_default_distribution_beside_tensor_parallel_is_shard():
         pipe = sw.pipeline(four, sw.tensor_parallel(plan, size=2)).resolve(model)
         chosen = [t.factory_name for t in pipe.transforms if t.stage == sw.transforms.Stage.DISTRIBUTION]
         assert chosen == ["shard"], chosen
-        assert "DDP cannot run DTensor layers" in pipe.explain()
+        assert "DDP runs neither pipeline stages nor DTensor layers, so shard()" in pipe.explain()
     two = sw.Env(world_size=2, local_world_size=2)
     spans = sw.pipeline(two, sw.tensor_parallel(plan, size=2)).resolve(model)
     assert not [t for t in spans.transforms if t.stage == sw.transforms.Stage.DISTRIBUTION]

@@ -176,7 +176,8 @@ def test_transforms_applied_by_hand_out_of_order_are_refused():
         sw.mixed_precision("bf16")(bundle)
     msg = str(info.value)
     assert "mixed_precision(precision='bf16') (settings) cannot be applied after shard(" in msg
-    assert "settings, tensor_parallel, surgery, compile, distribution, placement, optimizer, data" in msg
+    assert ("settings, pipeline_parallel, tensor_parallel, surgery, compile, distribution, "
+            "placement, optimizer, data") in msg
 
 
 def test_estimate_counts_buffers_frozen_parameters_and_accumulated_gradients():

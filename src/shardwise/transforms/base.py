@@ -20,6 +20,8 @@ __all__ = ["Stage", "Transform", "Distribution", "plan_of", "check_combination"]
 
 class Stage(enum.IntEnum):
     """The canonical order. Settings first, so every later stage can read them from the plan;
+    pipeline parallelism next (torchtitan's order): it cuts the model into stages, and each
+    rank keeps only its stages' layers, which tensor and context parallelism then split;
     tensor parallelism before surgery (torchtitan's order): it splits the user's layers as
     they are, and activation checkpointing then wraps the split blocks' forwards; compile
     after checkpointing (a block is compiled with its recomputation) and before the
@@ -32,13 +34,14 @@ class Stage(enum.IntEnum):
     """
 
     SETTINGS = 1
-    TENSOR_PARALLEL = 2
-    SURGERY = 3
-    COMPILE = 4
-    DISTRIBUTION = 5
-    PLACEMENT = 6
-    OPTIMIZER = 7
-    DATA = 8
+    PIPELINE_PARALLEL = 2
+    TENSOR_PARALLEL = 3
+    SURGERY = 4
+    COMPILE = 5
+    DISTRIBUTION = 6
+    PLACEMENT = 7
+    OPTIMIZER = 8
+    DATA = 9
 
 
 class Transform:

@@ -117,7 +117,7 @@ class PipelineParallel(Transform):
                                               validator=_positive("stages_per_rank", 64))
     loss: Callable[[Any, Any], Any] | None = attrs.field(default=None, kw_only=True,
                                                          validator=_loss)
-    stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
+    stage: ClassVar[Stage] = Stage.PIPELINE_PARALLEL
     factory_name: ClassVar[str] = "pipeline_parallel"
 
     def __attrs_post_init__(self) -> None:
@@ -154,16 +154,6 @@ class PipelineParallel(Transform):
         """Raises EnvError when the size does not divide the world."""
         layout_of(env, [self])
 
-    def data_distribution(self, env: Env) -> Transform | None:
-        """What distributes the data ranks when the pipeline is given no distribution:
-        ``shard()`` over the ranks the pipeline groups leave (each stage sharded over its
-        data ranks), or None when one group spans the world."""
-        if not env.is_distributed or self.group_size(env) >= env.world_size:
-            return None
-        from shardwise.transforms.sharding import shard
-
-        return shard()
-
     def record(self, plan: Plan) -> Plan:
         return attrs.evolve(plan, pipeline_parallel=self)
 
@@ -180,7 +170,7 @@ class PipelineParallel(Transform):
                              "stages do not call; use shard() for the data ranks (FSDP2 on "
                              "each stage)",
                 **{name: f"{name}() {why}" for name in (
-                    "tensor_parallel", "context_parallel", "shard_optimizer", "deepspeed",
+                    "context_parallel", "shard_optimizer", "deepspeed",
                     "local_sgd", "offload")}}
 
     def split_for(self, model: nn.Module, env: Env) -> StageSplit:

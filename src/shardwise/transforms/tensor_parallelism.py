@@ -17,7 +17,7 @@ from shardwise.distributed import ensure_process_group
 from shardwise.engines import Engine, LocalEngine, TPEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import layout_of, with_dimension
+from shardwise.mesh import layout_of, stage_peers, with_dimension
 from shardwise.meta_init import is_rank0_weights
 from shardwise.plan import Plan
 from shardwise.tp_plan import (
@@ -30,7 +30,6 @@ from shardwise.tp_plan import (
     whole_owners,
 )
 from shardwise.transforms.base import Stage, Transform
-from shardwise.transforms.sharding import shard
 
 __all__ = ["TensorParallel", "tensor_parallel"]
 
@@ -46,14 +45,15 @@ def _size(instance: Any, attribute: Any, value: Any) -> None:
                             f"an integer in [1, 65536] (got {short(value)})")
 
 
-def _from_rank0(model: nn.Module) -> None:
-    """Every rank starts from rank 0's weights and buffers, as under DDP: split layers take
-    their part of them, the rest is whole and the same everywhere."""
+def _from_first(model: nn.Module, peers: Any) -> None:
+    """Every rank starts from the weights and buffers of the first rank of ``peers`` (rank 0,
+    or under pipeline parallelism the first rank holding the same stages), as under DDP:
+    split layers take their part of them, the rest is whole and the same everywhere."""
     import torch.distributed as dist
 
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+            dist.broadcast(tensor.data, group=peers, group_src=0)
 
 
 def _as_replicated(module: nn.Module, inputs: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
@@ -90,7 +90,9 @@ class TensorParallel(Transform):
     then shards over the data dimension of the mesh only (``dp_shard x tp``, or
     ``dp_replicate x dp_shard x tp`` with ``replicate_across_nodes``). Applied before
     activation checkpointing and distribution; the module changes in place and the
-    optimizer is re-bound to the split parameters. Every rank starts from rank 0's weights.
+    optimizer is re-bound to the split parameters. Every rank starts from rank 0's weights
+    (under ``pipeline_parallel``, applied first, the first rank's holding the same stages:
+    each stage's layers are split over its own tensor-parallel group).
     In one process (or ``size=1``) it is a no-op.
 
     Args:
@@ -174,7 +176,7 @@ class TensorParallel(Transform):
         names = param_names(model)
         if not all(p.is_meta for p in model.parameters()):  # a meta model: shapes only
             model.to(env.device)
-            _from_rank0(model)
+            _from_first(model, stage_peers(mesh))
         modules = dict(model.named_modules())
         # imported when first used: DTensor takes most of a second to import
         from torch.distributed.tensor.parallel import parallelize_module
@@ -185,15 +187,6 @@ class TensorParallel(Transform):
             keep_whole(modules[name], mesh["tp"])
         rebind_optimizer(bundle.optimizer, names, model)
         return attrs.evolve(bundle, mesh=mesh, engine=self.engine(env))
-
-    def data_distribution(self, env: Env) -> Transform | None:
-        """What distributes the data ranks when the pipeline is given no distribution:
-        ``shard()`` over the ranks the groups leave (DDP cannot run DTensor layers), or
-        None when one group spans the world. The one place this is decided: the default
-        choice and the memory estimate ask it."""
-        if not env.is_distributed or self.group_size(env) >= env.world_size:
-            return None
-        return shard()
 
     def engine(self, env: Env) -> Engine:
         """The engine this transform puts in the bundle when no distribution follows it

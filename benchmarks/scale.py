@@ -18,17 +18,18 @@ on 2 gloo ranks; its state is counted after the step and one more backward (para
 gradients and optimizer state all held at once), as ``memory_table.py`` does.
 
     OMP_NUM_THREADS=1 python benchmarks/scale.py [--sizes 8 64 256 1024] [--models 7B 70B 405B]
-        [--tp 8] [--context 8] [--pipeline 8] [--rank first|last] [--no-real] [--json]
+        [--tp 8] [--context 8] [--pipeline 8] [--pipeline-tp 1 8] [--rank first|last]
+        [--no-real] [--json]
 
 Tensor parallel rows (``--tp 8``): ``tensor_parallel(size=8)`` (the model's own plan) then
 ``shard()`` over the ``dp_shard`` dimension of a ``dp_shard x tp`` mesh, e.g. Llama-70B at
 tp=8 x dp_shard=128 on 1024 ranks.
 
-Pipeline parallel rows (``--pipeline 8``, the default): Llama-3.1-405B's shapes under
-``pipeline_parallel(size=8)`` + ``shard()`` + bf16 on 1024 simulated ranks (dp_shard 128 x
-pp 8): the rank the estimate names as needing the most (its stages' state and the
-parameters they gather for compute), simulated, beside the estimate. Not yet with
-tensor_parallel: pipeline_parallel does not combine with it yet.
+Pipeline parallel rows (``--pipeline 8``, the default, with ``--pipeline-tp 1 8``):
+Llama-3.1-405B's shapes under ``pipeline_parallel(size=8)`` (+ ``tensor_parallel(size=8)``)
++ ``shard()`` + bf16 on 1024 simulated ranks (dp_shard 128 x pp 8, and dp_shard 16 x pp 8 x
+tp 8): the rank the estimate names as needing the most (its stages' state, split and
+sharded, and the parameters they gather for compute), simulated, beside the estimate.
 
 Context parallel rows (``--context 8``, the default): Llama-3.1-8B's shapes under
 ``context_parallel(size=8)`` + ``shard()`` + bf16 + activation checkpointing on 8 simulated
@@ -173,12 +174,16 @@ def simulate_context(shape: str, world: int, cp: int, tokens: int) -> dict[str, 
             "activations_rank": split.activations_bytes, "layout": split.layout}
 
 
-def simulate_pipeline(shape: str, world: int, pp: int, schedule: str) -> dict[str, Any]:
+def simulate_pipeline(shape: str, world: int, pp: int, schedule: str, tp: int = 1
+                      ) -> dict[str, Any]:
     """The rank the estimate names as needing the most (parameters, gradients, optimizer state
-    and the parameters gathered for compute) under pipeline_parallel(size=pp) + shard() + bf16
-    on meta, in data rank 0's pipeline group: the state it holds beside the estimate's."""
+    and the parameters gathered for compute) under pipeline_parallel(size=pp) (+
+    tensor_parallel(size=tp)) + shard() + bf16 on meta, in data rank 0's pipeline group (its
+    first tensor-parallel rank): the state it holds beside the estimate's."""
     parts = [sw.pipeline_parallel(size=pp, schedule=schedule), sw.shard(),
              sw.mixed_precision("bf16")]
+    if tp > 1:
+        parts.append(sw.tensor_parallel(size=tp))
 
     def env_of(rank: int) -> sw.Env:
         return sw.Env(world_size=world, rank=rank, local_rank=rank % NODE, local_world_size=NODE,
@@ -188,10 +193,12 @@ def simulate_pipeline(shape: str, world: int, pp: int, schedule: str) -> dict[st
         model = llama(shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     found = sw.estimate_memory(model, parts, env_of(0), optimizer=optimizer)
-    rank = int(found.layout.split("rank ", 1)[1].split(" ", 1)[0])  # "... rank 7 needs the most"
+    # "... rank 7 needs the most": its place in the pipeline group, whose ranks are tp apart
+    rank = int(found.layout.split("rank ", 1)[1].split(" ", 1)[0]) * tp
     simulated = held_after_step(env_of(rank), parts, model, optimizer)
+    mesh = f"dp_shard {world // (pp * tp)} x pp {pp}" + (f" x tp {tp}" if tp > 1 else "")
     return {"model": f"Llama-{shape}", "ranks": world, "rank": rank,
-            "mesh": f"dp_shard {world // pp} x pp {pp} ({schedule})", "simulated": simulated,
+            "mesh": f"{mesh} ({schedule})", "simulated": simulated,
             "estimate": {"params": found.params_bytes, "grads": found.grads_bytes,
                          "optimizer": found.optimizer_bytes}, "layout": found.layout}
 
@@ -273,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pipeline", type=int, nargs="*", default=[8],
                         help="pipeline_parallel(size=P) x shard() rows: Llama-405B on 1024 "
                              "ranks, the busiest stage's rank (none: --pipeline)")
+    parser.add_argument("--pipeline-tp", type=int, nargs="+", default=[1, 8],
+                        help="each pipeline row also with tensor_parallel(size=T) (1: without)")
     parser.add_argument("--pipeline-model", default="405B", choices=list(SHAPES))
     parser.add_argument("--pipeline-ranks", type=int, default=1024)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -299,8 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_real:
         rows += run_distributed(two_ranks, world_size=2, timeout=300)
     context = [simulate_context("8B", cp, cp, 131072) for cp in args.context]
-    rows += [simulate_pipeline(args.pipeline_model, args.pipeline_ranks, pp, "1F1B")
-             for pp in args.pipeline]
+    rows += [simulate_pipeline(args.pipeline_model, args.pipeline_ranks, pp, "1F1B", tp)
+             for pp in args.pipeline for tp in args.pipeline_tp]
     if args.json:
         print(json.dumps(rows + context))
         return

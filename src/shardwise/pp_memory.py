@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from shardwise.pp_schedule import MULTI, stages_on
 from shardwise.pp_stages import DecoderStage, StageSplit, decoder_parts, stage_modules
 
-__all__ = ["held_modules", "in_flight", "microbatch", "stage_activations", "schedule_order"]
+__all__ = ["cut_from", "held_modules", "in_flight", "microbatch", "stage_activations", "schedule_order"]
 
 
 def held_modules(model: nn.Module, split: StageSplit, mine: Sequence[int]) -> nn.Module:
@@ -33,6 +33,7 @@ def held_modules(model: nn.Module, split: StageSplit, mine: Sequence[int]) -> nn
     ``rest`` the embeddings, norm and head the stages hold."""
     held = sorted({i for stage in mine for i in range(*split.bounds[stage])})
     holder = nn.Module()
+    holder.__dict__["cut_from"] = model  # not a submodule: what a plan of names resolves on
     holder._no_split_modules = getattr(model, "_no_split_modules", None)  # type: ignore[assignment]
     if split.kind == "sequential":
         children = list(model.children())
@@ -46,6 +47,12 @@ def held_modules(model: nn.Module, split: StageSplit, mine: Sequence[int]) -> nn
         rest += [inner.norm, model.lm_head]  # type: ignore[list-item]
     holder.rest = nn.ModuleList(rest)
     return holder
+
+
+def cut_from(module: nn.Module) -> nn.Module:
+    """The whole model a :func:`held_modules` container was taken from (whose module names a
+    tensor-parallel plan names), or ``module`` itself."""
+    return module.__dict__.get("cut_from", module)
 
 
 def schedule_order(schedule: str, size: int, per_rank: int, microbatches: int

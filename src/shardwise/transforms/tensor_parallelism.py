@@ -20,6 +20,7 @@ from shardwise.errors import ArgumentError, ConflictError
 from shardwise.mesh import layout_of, stage_peers, with_dimension
 from shardwise.meta_init import is_rank0_weights
 from shardwise.plan import Plan
+from shardwise.pp_memory import cut_from
 from shardwise.tp_plan import (
     check_plan_value,
     local_shapes,
@@ -143,12 +144,15 @@ class TensorParallel(Transform):
         return resolve(model, plan, size)
 
     def local_shapes(self, model: nn.Module, size: int) -> dict[int, tuple[int, ...]]:
-        """``id(parameter)`` -> the shape one rank holds, for each parameter split."""
+        """``id(parameter)`` -> the shape one rank holds, for each parameter split (of the
+        whole model a pipeline stage's modules were taken from, for those)."""
+        model = cut_from(model)
         return local_shapes(model, self.resolved(model, size), size)
 
     def whole_gradients(self, model: nn.Module, size: int) -> set[int]:
         """Ids of split parameters whose gradient DTensor leaves whole on every rank until
         the optimizer step: a rowwise-split embedding's (its backward gives Replicate)."""
+        model = cut_from(model)
         modules = dict(model.named_modules())
         return {id(modules[name].weight) for name, style in self.resolved(model, size).items()
                 if isinstance(modules[name], nn.Embedding)

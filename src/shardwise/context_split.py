@@ -209,7 +209,7 @@ class ContextSplit:
         out = call_model(model, _for(model, part, batch))
         length = self.lengths[0]  # this rank's slice, as split() cut it
         if isinstance(out, torch.Tensor):
-            return self._whole(out, length)
+            return self.whole(out, length)
         if not isinstance(out, Mapping):
             raise ConflictError(f"under context_parallel predict gathers the outputs of a mapping "
                                 f"(a Transformers ModelOutput) or a tensor; the model returned a "
@@ -221,11 +221,11 @@ class ContextSplit:
                 dist.all_reduce(pair, group=self.group)
                 out[key] = (pair[0] / pair[1]).to(value.dtype)  # type: ignore[index]
             else:  # hidden states and attentions come as tuples of tensors
-                out[key] = tree_map(lambda v: self._whole(v, length)  # type: ignore[index]
+                out[key] = tree_map(lambda v: self.whole(v, length)  # type: ignore[index]
                                     if isinstance(v, torch.Tensor) else v, value)
         return out
 
-    def _whole(self, value: torch.Tensor, length: int) -> torch.Tensor:
+    def whole(self, value: torch.Tensor, length: int) -> torch.Tensor:
         """``value`` with its sequence dimension (dim 1, this rank's slice) gathered whole."""
         if value.ndim < 2 or value.shape[1] != length:
             return value

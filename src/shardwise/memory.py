@@ -290,6 +290,7 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
 
     model = unwrap(model)
     engine = engine_of(transforms, env)  # one process, or FSDP2 over each stage's data ranks
+    sliced = plan.context_parallel.group_size(env) if plan.context_parallel is not None else 1
     ckpt = next((t for t in transforms if isinstance(t, CheckpointActivations)), None)
     size, per, count = staged.group_size(env), staged.per_rank, staged.microbatch_count(env)
     split = staged.split_for(model, env)
@@ -310,6 +311,8 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
         per_stage = stage_activations(model, split, microbatch(batch, count), measure,
                                       precisions.dtype(plan.precision))
         missing = next((why for why in reasons if why), "")
+        # each rank of a context-parallel group a 1/cp slice of every sequence
+        per_stage = [-(-a // sliced) if a is not None else None for a in per_stage]
     best: tuple[int, int, Any, int | None] | None = None
     for rank in range(size):
         held = held_modules(model, split, stages_on(staged.schedule, rank, size, per))
@@ -330,7 +333,8 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
               f"rank {rank} needs the most, holding stages "
               f"{stages_on(staged.schedule, rank, size, per)} ({parts.layout}); activations of "
               "the microbatches its schedule keeps in flight"
-              + (" + activation checkpointing" if ckpt else ""))
+              + (f" + context parallel over {sliced} (each a 1/{sliced} slice)" if sliced > 1
+                 else "") + (" + activation checkpointing" if ckpt else ""))
     return MemoryEstimate(parts.params_bytes, parts.grads_bytes, parts.optimizer_bytes,
                           activations, parts.working_bytes, total, layout, budget(env),
                           missing if activations is None else "")

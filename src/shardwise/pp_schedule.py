@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.context_split import causal_lm_loss, next_token_labels
+from shardwise.context_split import ContextSplit, causal_lm_loss, next_token_labels
 from shardwise.errors import ConflictError, LossError
 
 __all__ = ["SCHEDULES", "PipelineRun", "stages_on", "bubble"]
@@ -81,6 +81,8 @@ class PipelineRun:
         loss: ``loss(output, target)`` on the last stage (None: Transformers' causal LM loss).
         device: where the stages run.
         group_sizes: each optimizer param group's parameters before the model was cut.
+        context: under ``context_parallel`` too, this rank's slice of every sequence (each
+            stage runs the slice; ``predict`` gathers the logits whole).
     """
 
     group: Any = attrs.field(repr=False)
@@ -97,6 +99,7 @@ class PipelineRun:
     #: parameters in each optimizer param group before the model was cut (what a checkpoint
     #: records, so that it loads at another layout)
     group_sizes: list[int] = attrs.field(factory=list)
+    context: ContextSplit | None = attrs.field(default=None, repr=False)
     _built: dict[Any, Any] = attrs.field(factory=dict, repr=False)
     _counts: list[torch.Tensor] = attrs.field(factory=list, repr=False)
 
@@ -126,6 +129,10 @@ class PipelineRun:
             raise ConflictError(f"pipeline_parallel routes 'input_ids' to the first stage, "
                                 f"'attention_mask' to every stage and 'labels' to the last; this "
                                 f"batch also has {other}, which no stage would be given")
+        if self.context is not None:  # this rank's slice: the whole sequence's positions and
+            part = self.context.split(batch)  # labels shifted before the cut, no padding mask
+            return (part["input_ids"],), {"position_ids": part["position_ids"]}, \
+                part.get("labels")
         mask = batch.get("attention_mask")
         labels = batch.get("labels")
         target = None
@@ -236,6 +243,10 @@ class PipelineRun:
         dist.broadcast(out, src=holder, group=self.group)
         if self.kind == "sequential":
             return out
+        if self.context is not None:  # each rank's slice of the sequence, gathered whole
+            out = self.context.whole(out, self.context.lengths[0])
+            labels = batch.get("labels")
+            target = next_token_labels(labels) if isinstance(labels, torch.Tensor) else None
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         loss = None

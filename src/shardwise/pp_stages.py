@@ -261,11 +261,14 @@ class DecoderStage(nn.Module):
         #: training keeps no key/value cache (None: the model's default, for the estimate)
         self.use_cache: bool | None = False
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         given: dict[str, Any] = {"input_ids" if self.first else "inputs_embeds": x,
                                  "use_cache": self.use_cache}
         if attention_mask is not None:
             given["attention_mask"] = attention_mask
+        if position_ids is not None:  # a context-parallel slice's place in the sequence
+            given["position_ids"] = position_ids
         if self.last:
             return self.view(**given).logits
         # the base model's output: hidden states the last layer made (never a view, which

@@ -242,6 +242,8 @@ def four_ranks(root):
                                     data_ranks=2)}
     out["tp"] = train([sw.pipeline_parallel(size=2, schedule="LoopedBFS"),
                        sw.tensor_parallel(size=2)])
+    # pp=2 x cp=2: each stage runs a half of every sequence, shard() over the cp ranks
+    out["cp"] = train([sw.pipeline_parallel(size=2), sw.context_parallel(size=2)])
     return out
 
 
@@ -255,6 +257,19 @@ def test_two_stages_times_two_data_ranks_on_four_ranks_equal_one_process(referen
                                                                 rel=1e-6)
     assert ("no distribution transform: default: pipeline_parallel x tensor_parallel groups "
             "of 4 ranks leave 1 rank(s) holding each part") in runs[0]["tp"]["explain"]
+    sliced = {**runs[0]["cp"]["params"], **runs[2]["cp"]["params"]}  # pp=2 x cp=2
+    assert max_param_diff(sliced, reference["params"]) < 1e-5
+    batch = next(iter(DataLoader(Prompts(), batch_size=GLOBAL_BATCH)))
+    real = batch["attention_mask"].bool()  # cp attends causally: padding's logits differ
+    for rank in runs:
+        got = rank["cp"]
+        assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert got["evaluated"]["loss"] == pytest.approx(reference["evaluated"]["loss"],
+                                                         rel=1e-6)
+        torch.testing.assert_close(got["predicted"].logits[real],
+                                   reference["predicted"].logits[real], rtol=0, atol=1e-5)
+        assert got["predicted"].loss.item() == pytest.approx(
+            reference["predicted"].loss.item(), rel=1e-6)
     for name in ("1F1B", "Interleaved1F1B"):
         # ranks 0, 1 are one pipeline (data rank 0), 2, 3 the other: each holds its stages
         merged = whole(runs[:2], name)
@@ -365,6 +380,6 @@ def test_arguments_are_checked():
     with pytest.raises(ConflictError, match="use shard.. for the data ranks"):
         sw.pipeline(sw.pipeline_parallel(), sw.replicate())
     with pytest.raises(ConflictError, match="not combined with pipeline_parallel yet"):
-        sw.pipeline(sw.pipeline_parallel(), sw.context_parallel())
+        sw.pipeline(sw.pipeline_parallel(), sw.local_sgd(4))
     with pytest.raises(ConflictError, match="zero-bubble schedule 'DualPipeV' trained apart"):
         sw.pipeline(sw.pipeline_parallel(schedule="DualPipeV"), sw.shard())

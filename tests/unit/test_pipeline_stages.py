@@ -117,3 +117,22 @@ def test_the_estimate_shards_each_stage_over_its_data_ranks():
     assert "shard over 2 ranks" in sharded.layout
     assert sharded.params_bytes == default.params_bytes
     assert sharded.params_bytes == pytest.approx(alone.params_bytes / 2, rel=0.01)
+
+
+def test_the_estimate_splits_each_stage_by_tensor_and_context_parallel():
+    """pp=2 x tp=2: the busiest stage's split layers hold half their weights; pp=2 x cp=2:
+    each rank's stage activations are those of half of every sequence."""
+    with torch.device("meta"):
+        model = llama(layers=4, vocab=2048)
+    four = sw.Env(world_size=4, local_world_size=4)
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    alone = sw.estimate_memory(model, [sw.pipeline_parallel(size=2)], TWO, batch=batch)
+    split = sw.estimate_memory(model, [sw.pipeline_parallel(size=2), sw.tensor_parallel(size=2)],
+                               four, batch=batch)
+    assert "tensor parallel over 2 ranks" in split.layout
+    assert alone.params_bytes / 2 < split.params_bytes < alone.params_bytes * 0.6  # norms whole
+    sliced = sw.estimate_memory(model, [sw.pipeline_parallel(size=2),
+                                        sw.context_parallel(size=2)], four, batch=batch)
+    assert "context parallel over 2" in sliced.layout
+    assert sliced.activations_bytes == pytest.approx(alone.activations_bytes / 2, rel=0.01)

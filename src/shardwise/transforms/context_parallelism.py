@@ -114,7 +114,10 @@ class ContextParallel(Transform):
         split = ContextSplit(cp.get_group(), int(cp.get_local_rank()), size, self.method)
         tensor = bundle.plan.tensor_parallel  # each rank's heads are 1/tp of them already
         hook_attention(bundle.model, split, tensor.group_size(env) if tensor is not None else 1)
-        return attrs.evolve(bundle, mesh=mesh, context=split)
+        # under pipeline_parallel (applied first) the stages run the slices
+        stages = attrs.evolve(bundle.stages, context=split) if bundle.stages is not None \
+            else None
+        return attrs.evolve(bundle, mesh=mesh, context=split, stages=stages)
 
     def describe(self, env: Env) -> str:
         size = self.group_size(env)

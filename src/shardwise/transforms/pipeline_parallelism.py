@@ -170,7 +170,7 @@ class PipelineParallel(Transform):
                              "stages do not call; use shard() for the data ranks (FSDP2 on "
                              "each stage)",
                 **{name: f"{name}() {why}" for name in (
-                    "context_parallel", "shard_optimizer", "deepspeed",
+                    "shard_optimizer", "deepspeed",
                     "local_sgd", "offload")}}
 
     def split_for(self, model: nn.Module, env: Env) -> StageSplit:

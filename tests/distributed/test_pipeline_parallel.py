@@ -82,9 +82,24 @@ def train(parts, save_at=None, root=None, data_ranks=1):
            "explain": pipe.explain()}
     if data_ranks > 1 or not bundle.stages:  # 11 samples over 2 data ranks: one repeated
         out["padded"] = sw.evaluate(bundle, DataLoader(Prompts(size=11), batch_size=2))
+        out["gathered"] = gathered(bundle, DataLoader(Prompts(size=11), batch_size=2))
     batch = next(iter(DataLoader(Prompts(), batch_size=GLOBAL_BATCH)))
     out.update(evaluated=sw.evaluate(bundle), predicted=bundle.predict(batch))
     return out
+
+
+def gathered(bundle, loader):
+    """predict's logits of every sample, gathered for metrics (the repeated one dropped), in
+    one order (sorted by their tokens)."""
+    loader = bundle.distribute(loader)
+    logits, ids = [], []
+    for batch in loader:
+        got, inputs = sw.gather_for_metrics((bundle.predict(batch).logits, batch["input_ids"]),
+                                            loader)
+        logits.append(got)
+        ids.append(inputs)
+    ids = torch.cat(ids)
+    return torch.cat(logits)[sorted(range(len(ids)), key=lambda i: ids[i].tolist())]
 
 
 def whole(runs, name):
@@ -282,6 +297,9 @@ def test_two_stages_times_two_data_ranks_on_four_ranks_equal_one_process(referen
                                                              rel=1e-6), name
             # the repeated sample's labels masked, not cut (the microbatches divide 2)
             assert got["padded"] == pytest.approx(reference["padded"], rel=1e-6), name
+            # gather_for_metrics: each sample's logits once, as one process predicts them
+            assert got["gathered"].shape[0] == 11
+            torch.testing.assert_close(got["gathered"], reference["gathered"], rtol=0, atol=1e-5)
     assert "dp_shard=2 x pp=2" in runs[0]["1F1B"]["explain"]
     _, one = built([])
     state = sw.load(tmp_path, one)  # saved by 4 ranks, sharded and staged
@@ -320,6 +338,7 @@ def test_stages_times_tensor_parallel_times_data_ranks_on_eight_ranks_equal_one_
             assert got["padded"] == pytest.approx(reference["padded"], rel=1e-6), name
             torch.testing.assert_close(got["predicted"].logits, reference["predicted"].logits,
                                        rtol=0, atol=1e-5)
+            torch.testing.assert_close(got["gathered"], reference["gathered"], rtol=0, atol=1e-5)
     assert "dp_shard=2 x pp=2 x tp=2" in runs[0]["1F1B"]["explain"]
     _, one = built([])
     state = sw.load(tmp_path, one)

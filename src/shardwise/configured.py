@@ -114,15 +114,16 @@ def _configured(env: Env, transforms: list[Transform], config: ConfigResult, ori
         raise ConfigError.at(origin, f"{exc}") from exc
 
 
-def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = None,
+def from_config(source: str | Path | Mapping[str, Any] | Any, *, env: Env | None = None,
                 engine: str = "native") -> Pipeline:
-    """A pipeline from an Accelerate YAML, a DeepSpeed JSON or a Transformers ``fsdp_config``.
+    """A pipeline from an Accelerate YAML, a DeepSpeed JSON, a Transformers ``fsdp_config``
+    or a Transformers ``DistributedConfig`` (``pp_size``, ``tp_size``, ``fsdp_size``, ...).
 
     The format is recognised from the content. Every key maps to a transform, is refused, or
     gives one notice (a key with no meaning here: logged, and listed by ``explain()``).
 
     Args:
-        source: a path (YAML or JSON) or a mapping.
+        source: a path (YAML or JSON), a mapping, or a ``DistributedConfig``.
         env: the env; by default :func:`shardwise.detect` (``use_cpu: true`` forces the CPU).
         engine: for a DeepSpeed config (a JSON, or an Accelerate YAML with
             ``distributed_type: DEEPSPEED``): ``"native"`` (the default) maps it onto
@@ -136,6 +137,7 @@ def from_config(source: str | Path | Mapping[str, Any], *, env: Env | None = Non
 
     Example:
         >>> pipe = sw.from_config("ds_config.json")
+        >>> pipe = sw.from_config(DistributedConfig(pp_size=2, tp_size=2))  # transformers
     """
     if engine not in ("native", "deepspeed"):
         raise ArgumentError(f"from_config() 'engine' must be 'native' or 'deepspeed' (got "

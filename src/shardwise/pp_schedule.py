@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.context_split import ContextSplit, causal_lm_loss, next_token_labels
+from shardwise.context_split import IGNORE, ContextSplit, causal_lm_loss, next_token_labels
 from shardwise.errors import ConflictError, LossError
 
 __all__ = ["SCHEDULES", "PipelineRun", "stages_on", "bubble"]
@@ -141,13 +141,36 @@ class PipelineRun:
         return (batch["input_ids"],), ({"attention_mask": mask} if mask is not None else {}), \
             target
 
-    def _check_divides(self, args: tuple[Any, ...]) -> None:
+    def _filled(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any
+                ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """A decoder batch its microbatches do not divide, padded up to a multiple of them:
+        the last sample repeated with its labels all ``-100`` (the loss is a token sum, so
+        the padding adds no loss, no count and no gradient); outputs are cut back by the
+        caller. Any other batch as it is.
+
+        Raises:
+            ConflictError: an ``nn.Sequential``'s batch the microbatches do not divide (its
+                loss may average over samples, which padding would change).
+        """
         size = int(args[0].shape[0])
-        if size % self.microbatches:
+        extra = -size % self.microbatches
+        if not extra:
+            return args, kwargs, target
+        if self.kind != "decoder":
             raise ConflictError(f"pipeline_parallel cuts each batch into {self.microbatches} "
-                                f"microbatches; a batch of {size} samples does not divide: use a "
-                                f"batch size that is a multiple of {self.microbatches}, or "
-                                "another microbatches=")
+                                f"microbatches; a batch of {size} samples does not divide (an "
+                                "nn.Sequential's batch is not padded: its loss may average over "
+                                f"samples): use a batch size that is a multiple of "
+                                f"{self.microbatches}, drop_last=True, or another microbatches=")
+
+        def grown(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or not value.ndim or value.shape[0] != size:
+                return value
+            return torch.cat([value, value[-1:].expand(extra, *value.shape[1:])])
+
+        if target is not None:
+            target = torch.cat([target, target.new_full((extra, *target.shape[1:]), IGNORE)])
+        return tuple(grown(a) for a in args), {k: grown(v) for k, v in kwargs.items()}, target
 
     # -- the schedule ---------------------------------------------------------------------
 
@@ -197,7 +220,7 @@ class PipelineRun:
         if target is None:
             raise LossError("pipeline_parallel computes the loss on the last stage from the "
                             "batch's labels, which this batch lacks")
-        self._check_divides(args)
+        args, kwargs, target = self._filled(args, kwargs, target)
         losses: list[torch.Tensor] = []
         self._counts.clear()
         self._schedule(args, kwargs, True).step(*args, target=target, losses=losses,
@@ -207,7 +230,6 @@ class PipelineRun:
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The whole batch's output, forward only: on the rank of the last stage (None on
         the others)."""
-        self._check_divides(args)
         out = self._schedule(args, kwargs, False).step(*args, **kwargs)
         return out if isinstance(out, torch.Tensor) else None
 
@@ -217,6 +239,7 @@ class PipelineRun:
         if target is None:
             raise LossError("pipeline_parallel evaluates the loss from the batch's labels, "
                             "which this batch lacks")
+        args, kwargs, target = self._filled(args, kwargs, target)
         out = self._forward(args, kwargs)
         losses: list[torch.Tensor] = []
         self._counts.clear()
@@ -229,7 +252,8 @@ class PipelineRun:
         logits, and for a decoder batch with labels the loss (the mean over its labelled
         tokens) in a Transformers ``CausalLMOutputWithPast``."""
         args, kwargs, target = self.parts(batch)
-        out = self._forward(args, kwargs)
+        size = int(args[0].shape[0])
+        out = self._forward(*self._filled(args, kwargs, None)[:2])
         holder = dist.get_global_rank(self.group, self._last_rank())
         header = torch.zeros(9, dtype=torch.int64, device=self.device)  # dtype, ndim, shape
         if out is not None:
@@ -241,6 +265,7 @@ class PipelineRun:
             out = torch.empty(tuple(header[2:2 + ndim].tolist()), dtype=_DTYPES[int(header[0])],
                               device=self.device)
         dist.broadcast(out, src=holder, group=self.group)
+        out = out[:size]  # without the samples a short batch was padded with
         if self.kind == "sequential":
             return out
         if self.context is not None:  # each rank's slice of the sequence, gathered whole

@@ -6,7 +6,7 @@ pp=2 to one process and back; a non-finite gradient on one stage stops every sta
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise as sw
 from shardwise.errors import ArgumentError, ConflictError, NonFiniteError
@@ -162,6 +162,8 @@ def checkpoints(root):
     return {"saved": saved, "resumed": full_state(bundle.model), "step": state.step,
             "checkpointed": train([sw.pipeline_parallel(), sw.checkpoint_activations()])["params"],
             "bf16": train([sw.pipeline_parallel(), sw.mixed_precision("bf16")])["params"],
+            # 3 microbatches for batches of 4: each padded to 6 with unlabelled repeats
+            "padded": train([sw.pipeline_parallel(microbatches=3)])["params"],
             # regional compile per stage (AOTAutograd's tracing; inductor costs more time)
             "compiled": train([sw.pipeline_parallel(),
                                sw.compile(backend="aot_eager")])["params"]}
@@ -197,6 +199,8 @@ def test_checkpoints_go_from_two_stages_to_one_process_and_back(reference, tmp_p
     assert max_param_diff(checkpointed, reference["params"]) < 1e-5
     compiled = whole([{"r": {"params": r["compiled"]}} for r in runs], "r")
     assert max_param_diff(compiled, reference["params"]) < 1e-5
+    padded = whole([{"r": {"params": r["padded"]}} for r in runs], "r")
+    assert max_param_diff(padded, reference["params"]) < 1e-5
     bf16 = whole([{"r": {"params": r["bf16"]}} for r in runs], "r")
     drift = max_param_diff(train([sw.mixed_precision("bf16")])["params"], reference["params"])
     assert 0 < max_param_diff(bf16, reference["params"]) <= 1.5 * drift
@@ -347,6 +351,27 @@ def test_stages_times_tensor_parallel_times_data_ranks_on_eight_ranks_equal_one_
     assert max_param_diff(full_state(one.model), reference["params"]) < 1e-5
 
 
+def mse(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def regression(parts, loss_fn=None):
+    """An nn.Sequential of 5 children trained 4 steps (SGD) on batches (inputs, target)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(16, 8, generator=generator),
+                         torch.randn(16, 4, generator=generator))
+    bundle = sw.pipeline(sw.detect(), *parts)(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                              DataLoader(data, batch_size=4), loss_fn=loss_fn)
+    state = bundle.init()
+    for batch in bundle.loader:
+        state, _ = bundle.step(state, batch)
+    bundle.check(state)
+    return full_state(bundle.model), bundle
+
+
 def refusals():
     found = {}
 
@@ -359,8 +384,10 @@ def refusals():
     refused("stages", lambda: built([sw.pipeline_parallel(schedule="Interleaved1F1B",
                                                           stages_per_rank=4)]))
     refused("tied", lambda: built([sw.pipeline_parallel()], model=llama(tied=True)))
-    _, bundle = built([sw.pipeline_parallel(microbatches=3)])
-    refused("microbatches", lambda: bundle.step(bundle.init(), next(iter(bundle.loader))))
+    params, bundle = regression([sw.pipeline_parallel(loss=mse)])
+    found["sequential"] = params
+    short = next(iter(bundle.loader))
+    refused("microbatches", lambda: bundle.step(bundle.init(), (short[0][:3], short[1][:3])))
     refused("loss_fn", lambda: sw.pipeline(sw.pipeline_parallel())(
         llama(), None, loss_fn=token_sum))
     refused("split", lambda: built([sw.pipeline_parallel(split=["model.layers.9"])]))
@@ -373,11 +400,16 @@ def refusals():
 
 
 def test_what_cannot_be_cut_or_divided_is_refused_naming_the_numbers():
-    found = run_distributed(refusals, world_size=2)[0]
+    runs = run_distributed(refusals, world_size=2)
+    found = runs[0]
     assert "4 stages per rank" not in found["stages"]
     assert "8 stages, but the model has 4 layers" in found["stages"]
     assert "ties lm_head to embed_tokens" in found["tied"]
-    assert "3 microbatches; a batch of 4 samples does not divide" in found["microbatches"]
+    assert "2 microbatches; a batch of 3 samples does not divide (an nn.Sequential's batch is " \
+        "not padded" in found["microbatches"]
+    # an nn.Sequential cut between its children, its loss given to pipeline_parallel
+    alone, _ = regression([], loss_fn=lambda model, batch: mse(model(batch[0]), batch[1]))
+    assert max_param_diff({**found["sequential"], **runs[1]["sequential"]}, alone) < 1e-6
     assert "drop loss_fn" in found["loss_fn"]
     assert "'model.layers.9', which is not a layer" in found["split"]
     assert "cut already by Transformers' distributed_config(pp_size=2)" in found["transformers"]

@@ -1,4 +1,4 @@
-# read_config / ddp_settings: Accelerate YAML, DeepSpeed JSON, Transformers FSDP and DDP settings.
+# read_config / ddp_settings: Accelerate YAML, DeepSpeed JSON, Transformers FSDP/distributed/DDP settings.
 """Config readers: each turns the config a user already has into transforms and notices.
 
 Readers build no pipeline: :func:`shardwise.from_config` and :func:`shardwise.pipeline`
@@ -17,6 +17,7 @@ import attrs
 from shardwise._config_source import Source, load_source, short
 from shardwise.configs.accelerate import accelerate_transforms, uses_cpu
 from shardwise.configs.deepspeed import deepspeed_transforms
+from shardwise.configs.distributed_config import MARKERS, as_mapping, distributed_config_transforms
 from shardwise.configs.fsdp import KEYS as FSDP_KEYS
 from shardwise.configs.fsdp import fsdp_transforms
 from shardwise.env import Env, detect
@@ -35,7 +36,8 @@ class ConfigResult:
         transforms: the transforms it asks for.
         notices: one line per key with no meaning here (also logged).
         origin: the file's path, or ``<mapping>``.
-        kind: ``"accelerate"``, ``"deepspeed"`` or ``"fsdp"``.
+        kind: ``"accelerate"``, ``"deepspeed"``, ``"fsdp"`` or ``"distributed"`` (a
+            Transformers ``DistributedConfig``).
         env: the env it runs under (``use_cpu: true`` puts it on the CPU).
         deepspeed: whether it is a DeepSpeed config (a JSON, or an Accelerate YAML with
             ``distributed_type: DEEPSPEED``), which ``engine="deepspeed"`` can run.
@@ -56,25 +58,29 @@ class ConfigResult:
 
 
 def config_kind(src: Source) -> str:
-    """``"accelerate"``, ``"deepspeed"`` or ``"fsdp"``, from the keys."""
+    """``"accelerate"``, ``"deepspeed"``, ``"distributed"`` or ``"fsdp"``, from the keys."""
     keys = set(src.data)
     if keys & {"distributed_type", "compute_environment"}:
         return "accelerate"
     if keys & {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
                "gradient_clipping", "fp16", "bf16"}:
         return "deepspeed"
+    if keys & MARKERS:
+        return "distributed"
     if any(k.removeprefix("fsdp_") in FSDP_KEYS for k in keys):
         return "fsdp"
     shown = ", ".join(short(k) for k in sorted(keys)[:8]) + (", ..." if len(keys) > 8 else "")
     raise ConfigError.at(src.origin, f"cannot tell the format from its keys [{shown}]; "
                       "accepted: an Accelerate config (distributed_type, ...), a DeepSpeed "
-                      "config (zero_optimization, ...) or a Transformers fsdp_config")
+                      "config (zero_optimization, ...), a Transformers fsdp_config or a "
+                      "Transformers DistributedConfig (pp_size, fsdp_size, ...)")
 
 
-def read_config(source: str | os.PathLike[str] | Mapping[str, Any], *,
+def read_config(source: str | os.PathLike[str] | Mapping[str, Any] | Any, *,
                 env: Env | None = None) -> ConfigResult:
-    """The transforms and notices of an Accelerate YAML, a DeepSpeed JSON or a Transformers
-    ``fsdp_config``, recognised from the content.
+    """The transforms and notices of an Accelerate YAML, a DeepSpeed JSON, a Transformers
+    ``fsdp_config`` or ``DistributedConfig`` (the object or its dict), recognised from the
+    content.
 
     Every key maps to a transform, is refused, or gives one notice (a key with no meaning
     here); nothing is skipped in silence.
@@ -84,7 +90,7 @@ def read_config(source: str | os.PathLike[str] | Mapping[str, Any], *,
             naming the file, the key (a dotted path), a short excerpt of the value and what
             is accepted.
     """
-    src = load_source(source)
+    src = load_source(as_mapping(source))
     kind = config_kind(src)
     if kind == "accelerate":
         if env is None:
@@ -93,6 +99,9 @@ def read_config(source: str | os.PathLike[str] | Mapping[str, Any], *,
     elif kind == "deepspeed":
         env = detect() if env is None else env
         transforms = deepspeed_transforms(src, env)
+    elif kind == "distributed":
+        env = detect() if env is None else env
+        transforms = distributed_config_transforms(src, env)
     else:
         env = detect() if env is None else env
         transforms = fsdp_transforms(src, src.data)

@@ -147,7 +147,9 @@ def parallelism_transforms(src: Source, block: Mapping[str, Any], given: list[Tr
         raise ConfigError.at(src.origin, f"{where}{str(staged[0]).removeprefix(PREFIX)}: "
                              "Accelerate's parallelism_config has "
                              "no pipeline size (Accelerate 1.16 has no pipeline parallelism); "
-                             "pass sw.pipeline_parallel(size=...) to sw.pipeline in code")
+                             "pass sw.pipeline_parallel(size=...) to sw.pipeline in code, or "
+                             "read a Transformers DistributedConfig(pp_size=...) with "
+                             "sw.from_config")
     src.check_keys({f"{where}{str(k).removeprefix(PREFIX)}": k for k in block},
                    {f"{where}{k}" for k in KEYS})
     plain = _spellings(src, block, where)

@@ -90,8 +90,9 @@ class PipelineParallel(Transform):
         schedule: one of :data:`shardwise.pp_schedule.SCHEDULES` ("GPipe", "1F1B",
             "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
             "DualPipeV").
-        microbatches: microbatches per batch (each batch's size must divide by it); default
-            the number of stages.
+        microbatches: microbatches per batch; default the number of stages. A decoder batch
+            they do not divide is padded with unlabelled repeats (no loss, no gradient); an
+            ``nn.Sequential``'s must divide.
         split: ``"auto"`` (stages balanced by parameter count) or the names of the layers
             where stages 1, 2, ... begin (``["model.layers.2"]``).
         stages_per_rank: stages each rank holds under a multi-stage schedule (default 2;
@@ -99,8 +100,9 @@ class PipelineParallel(Transform):
         loss: for an ``nn.Sequential``, ``loss(output, target)``.
 
     Raises:
-        ConflictError: a model that cannot be cut, more stages than layers, a batch its
-            microbatches do not divide, tied embeddings on different ranks.
+        ConflictError: a model that cannot be cut, more stages than layers, an
+            ``nn.Sequential`` batch its microbatches do not divide, tied embeddings on
+            different ranks.
 
     Example:
         >>> pipe = sw.pipeline(sw.pipeline_parallel(size=2, schedule="Interleaved1F1B"))

@@ -240,6 +240,7 @@ def split_default(env: Env, transforms: Sequence[Transform]) -> tuple[list[Trans
     if not splitting or not env.is_distributed:
         return None
     from shardwise.mesh import layout_of
+    from shardwise.pp_schedule import ZERO_BUBBLE
     from shardwise.transforms.sharding import shard
 
     mesh = layout_of(env, transforms)
@@ -250,7 +251,13 @@ def split_default(env: Env, transforms: Sequence[Transform]) -> tuple[list[Trans
               "part")
     if holders == 1:
         return [], reason
-    return [shard()], reason + "; DDP runs neither pipeline stages nor DTensor layers, so shard()"
+    reason += "; DDP runs neither pipeline stages nor DTensor layers, so shard()"
+    staged = plan_of(transforms).pipeline_parallel
+    if staged is not None and staged.schedule in ZERO_BUBBLE:  # see PipelineParallel
+        return [shard(reshard_after_forward=False)], reason + (  # .conflicts_with
+            ", its parameters kept gathered through the step: the zero-bubble schedule's weight "
+            "gradients come after later forwards")
+    return [shard()], reason
 
 
 def engine_of(transforms: Sequence[Transform], env: Env) -> Engine:

@@ -263,6 +263,9 @@ def four_ranks(root):
                        sw.tensor_parallel(size=2)])
     # pp=2 x cp=2: each stage runs a half of every sequence, shard() over the cp ranks
     out["cp"] = train([sw.pipeline_parallel(size=2), sw.context_parallel(size=2)])
+    # a zero-bubble schedule's default: shard(reshard_after_forward=False)
+    out["InterleavedZeroBubble"] = train([sw.pipeline_parallel(
+        size=2, schedule="InterleavedZeroBubble", microbatches=2)], data_ranks=2)
     return out
 
 
@@ -289,7 +292,9 @@ def test_two_stages_times_two_data_ranks_on_four_ranks_equal_one_process(referen
                                    reference["predicted"].logits[real], rtol=0, atol=1e-5)
         assert got["predicted"].loss.item() == pytest.approx(
             reference["predicted"].loss.item(), rel=1e-6)
-    for name in ("1F1B", "Interleaved1F1B"):
+    assert "shard(policy=auto(), reshard_after_forward=False" in \
+        runs[0]["InterleavedZeroBubble"]["explain"]
+    for name in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble"):
         # ranks 0, 1 are one pipeline (data rank 0), 2, 3 the other: each holds its stages
         merged = whole(runs[:2], name)
         assert max_param_diff(merged, reference["params"]) < 1e-5, name
@@ -384,6 +389,8 @@ def refusals():
     refused("stages", lambda: built([sw.pipeline_parallel(schedule="Interleaved1F1B",
                                                           stages_per_rank=4)]))
     refused("tied", lambda: built([sw.pipeline_parallel()], model=llama(tied=True)))
+    refused("dualpipe", lambda: built([sw.pipeline_parallel(schedule="DualPipeV",
+                                                            microbatches=2)]))
     params, bundle = regression([sw.pipeline_parallel(loss=mse)])
     found["sequential"] = params
     short = next(iter(bundle.loader))
@@ -405,6 +412,8 @@ def test_what_cannot_be_cut_or_divided_is_refused_naming_the_numbers():
     assert "4 stages per rank" not in found["stages"]
     assert "8 stages, but the model has 4 layers" in found["stages"]
     assert "ties lm_head to embed_tokens" in found["tied"]
+    assert "torch's DualPipeV schedule refuses 2 microbatches for 4 stages on 2 ranks" in \
+        found["dualpipe"]
     assert "2 microbatches; a batch of 3 samples does not divide (an nn.Sequential's batch is " \
         "not padded" in found["microbatches"]
     # an nn.Sequential cut between its children, its loss given to pipeline_parallel
@@ -432,5 +441,5 @@ def test_arguments_are_checked():
         sw.pipeline(sw.pipeline_parallel(), sw.replicate())
     with pytest.raises(ConflictError, match="not combined with pipeline_parallel yet"):
         sw.pipeline(sw.pipeline_parallel(), sw.local_sgd(4))
-    with pytest.raises(ConflictError, match="zero-bubble schedule 'DualPipeV' trained apart"):
+    with pytest.raises(ConflictError, match="use shard.reshard_after_forward=False."):
         sw.pipeline(sw.pipeline_parallel(schedule="DualPipeV"), sw.shard())

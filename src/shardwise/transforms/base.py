@@ -80,6 +80,11 @@ class Transform:
         """Factory names of transforms this one cannot be combined with, each with why."""
         return {}
 
+    def conflicts_with(self, other: Transform) -> str | None:
+        """Why this transform cannot run beside ``other`` with ``other``'s settings (None: it
+        can); for a rule on a setting, where :meth:`excludes` refuses a whole kind."""
+        return None
+
     def record(self, plan: Plan) -> Plan:
         """``plan`` with this transform's settings recorded (only settings-stage transforms
         record any); pure, so a pipeline's plan is known before it is applied."""
@@ -137,9 +142,10 @@ def factory_repr(name: str, obj: object) -> str:
 
 def check_combination(parts: list[Transform], *, applied: bool = False) -> None:
     """The one place the rules between transforms are checked: each kind at most once, at
-    most one distribution transform, and each transform's :meth:`~Transform.excludes` and
-    :meth:`~Transform.needs`. ``applied``: ``parts`` were applied to a bundle by hand, in
-    order (needs are checked once the distribution stage has passed).
+    most one distribution transform, and each transform's :meth:`~Transform.excludes`,
+    :meth:`~Transform.conflicts_with` and :meth:`~Transform.needs`. ``applied``: ``parts``
+    were applied to a bundle by hand, in order (needs are checked once the distribution stage
+    has passed).
 
     Raises:
         ConflictError: naming both parts and what to do.
@@ -161,6 +167,10 @@ def check_combination(parts: list[Transform], *, applied: bool = False) -> None:
         for name, why in part.excludes().items():
             if name in by_name:
                 raise ConflictError(f"{part!r} and {by_name[name]!r}: {why}")
+        for other in parts:
+            conflict = part.conflicts_with(other) if other is not part else None
+            if conflict is not None:
+                raise ConflictError(f"{part!r} and {other!r}: {conflict}")
     if applied and not any(p.stage > Stage.DISTRIBUTION for p in parts):
         return
     for part in parts:

@@ -161,19 +161,38 @@ class PipelineParallel(Transform):
 
     def excludes(self) -> dict[str, str]:
         why = "is not combined with pipeline_parallel yet"
-        zero_bubble = {"shard": f"shard() beside the zero-bubble schedule {self.schedule!r} "
-                                "trained apart from one process (measured: parameters 7.5e-3 "
-                                "off after 4 steps: FSDP2's gradient reduction and the split "
-                                "weight-gradient backward do not meet); use 1F1B, GPipe, "
-                                "Interleaved1F1B or LoopedBFS with shard()"} \
-            if self.schedule in ZERO_BUBBLE else {}
-        return {**zero_bubble,
-                "replicate": "replicate() wraps the whole model in DDP, whose forward the "
+        return {"replicate": "replicate() wraps the whole model in DDP, whose forward the "
                              "stages do not call; use shard() for the data ranks (FSDP2 on "
                              "each stage)",
                 **{name: f"{name}() {why}" for name in (
                     "shard_optimizer", "deepspeed",
                     "local_sgd", "offload")}}
+
+    def _check_schedule(self, size: int, microbatches: int) -> None:
+        """Build torch's schedule on stand-in stages (nothing runs), so that its own rules on
+        the microbatch count are met before the model is cut.
+
+        Raises:
+            ConflictError: torch's schedule refuses this count, with its reason.
+        """
+        from shardwise.pp_memory import schedule_order
+
+        try:
+            schedule_order(self.schedule, size, self.per_rank, microbatches)
+        except ValueError as exc:
+            raise ConflictError(f"{self!r}: torch's {self.schedule} schedule refuses "
+                                f"{microbatches} microbatches for {size * self.per_rank} stages on "
+                                f"{size} ranks ({exc}); choose another microbatches=") from None
+
+    def conflicts_with(self, other: Transform) -> str | None:
+        if self.schedule in ZERO_BUBBLE and getattr(other, "factory_name", None) == "shard" \
+                and getattr(other, "reshard_after_forward", False):
+            return (f"the zero-bubble schedule {self.schedule!r} computes weight gradients after "
+                    "later microbatches' forwards, which reshard the stage's parameters under "
+                    "reshard_after_forward=True (measured: gradients of the middle stages 0.2-0.4x "
+                    "one process's); use shard(reshard_after_forward=False), the default chosen "
+                    "beside it, which keeps them gathered for the step")
+        return None
 
     def split_for(self, model: nn.Module, env: Env) -> StageSplit:
         """Where ``model`` is cut under ``env`` (for ``explain`` and the memory estimate)."""
@@ -212,6 +231,7 @@ class PipelineParallel(Transform):
         if split.kind == "sequential" and self.loss is None:
             raise ConflictError(f"{self!r}: an nn.Sequential has no loss of its own; pass "
                                 "pipeline_parallel(loss=lambda output, target: ...)")
+        self._check_schedule(size, self.microbatch_count(env))
         rank = int(mesh["pp"].get_local_rank())
         mine = stages_on(self.schedule, rank, size, self.per_rank)
         _check_tied(model, split, self.schedule, size, self.per_rank)

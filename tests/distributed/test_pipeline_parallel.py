@@ -159,7 +159,12 @@ def checkpoints(root):
     _, bundle = built([sw.pipeline_parallel(schedule="Interleaved1F1B")])
     state = sw.load(f"{root}/one", bundle)
     state, _, _ = steps(bundle, state, STEPS)
+    # the pp=2 checkpoint resumed by 2 data ranks (DDP, a batch of 2 each)
+    _, replicated = built([sw.replicate()], data_ranks=2)
+    at_dp = sw.load(f"{root}/pp", replicated)
+    steps(replicated, at_dp, STEPS)
     return {"saved": saved, "resumed": full_state(bundle.model), "step": state.step,
+            "at_dp": full_state(replicated.model),
             "checkpointed": train([sw.pipeline_parallel(), sw.checkpoint_activations()])["params"],
             "bf16": train([sw.pipeline_parallel(), sw.mixed_precision("bf16")])["params"],
             # 3 microbatches for batches of 4: each padded to 6 with unlabelled repeats
@@ -185,6 +190,8 @@ def test_checkpoints_go_from_two_stages_to_one_process_and_back(reference, tmp_p
     merged = whole([{"r": {"params": r["resumed"]}} for r in runs], "r")
     assert max_param_diff(merged, reference["params"]) < 1e-5
     assert runs[0]["step"] == STEPS
+    for rank in runs:  # and at dp=2
+        assert max_param_diff(rank["at_dp"], reference["params"]) < 1e-5
     # sw.export gathers every stage's part: the whole model, loadable strictly
     from safetensors.torch import load_file
 

@@ -307,18 +307,29 @@ def test_two_stages_times_two_data_ranks_on_four_ranks_equal_one_process(referen
         assert max_param_diff(merged, reference["params"]) < 1e-5, name
         assert max_param_diff(whole(runs[2:], name), merged) == 0.0  # the replicas agree
         for rank in runs:
-            got = rank[name]
-            assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5), name
-            assert got["evaluated"]["loss"] == pytest.approx(reference["evaluated"]["loss"],
-                                                             rel=1e-6), name
-            # the repeated sample's labels masked, not cut (the microbatches divide 2)
-            assert got["padded"] == pytest.approx(reference["padded"], rel=1e-6), name
-            # gather_for_metrics: each sample's logits once, as one process predicts them
-            assert got["gathered"].shape[0] == 11
-            torch.testing.assert_close(got["gathered"], reference["gathered"], rtol=0, atol=1e-5)
+            evaluated_as_one_process(rank[name], reference, name)
     assert "dp_shard=2 x pp=2" in runs[0]["1F1B"]["explain"]
+    resumed_in_one_process(tmp_path, reference)  # saved by 4 ranks, sharded and staged
+
+
+def evaluated_as_one_process(got, reference, name):
+    """A data rank's norms, sw.evaluate (whole and over padded shards) and the logits
+    gathered for metrics, as one process's."""
+    assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5), name
+    assert got["evaluated"]["loss"] == pytest.approx(reference["evaluated"]["loss"],
+                                                     rel=1e-6), name
+    # the repeated sample's labels masked, not cut (the microbatches divide 2)
+    assert got["padded"] == pytest.approx(reference["padded"], rel=1e-6), name
+    # gather_for_metrics: each sample's logits once, as one process predicts them
+    assert got["gathered"].shape[0] == 11
+    torch.testing.assert_close(got["gathered"], reference["gathered"], rtol=0, atol=1e-5)
+
+
+def resumed_in_one_process(root, reference):
+    """The checkpoint at step 2 under ``root``, loaded and trained on in one process."""
     _, one = built([])
-    state = sw.load(tmp_path, one)  # saved by 4 ranks, sharded and staged
+    state = sw.load(root, one)
+    assert state.step == 2
     steps(one, state, STEPS)
     assert max_param_diff(full_state(one.model), reference["params"]) < 1e-5
 
@@ -347,20 +358,11 @@ def test_stages_times_tensor_parallel_times_data_ranks_on_eight_ranks_equal_one_
         for peer in (1, 4, 5):  # its tensor-parallel peer and its data replicas agree
             assert max_param_diff(runs[peer][name]["params"], runs[0][name]["params"]) == 0.0
         for rank in runs:
-            got = rank[name]
-            assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5), name
-            assert got["evaluated"]["loss"] == pytest.approx(reference["evaluated"]["loss"],
-                                                             rel=1e-6), name
-            assert got["padded"] == pytest.approx(reference["padded"], rel=1e-6), name
-            torch.testing.assert_close(got["predicted"].logits, reference["predicted"].logits,
-                                       rtol=0, atol=1e-5)
-            torch.testing.assert_close(got["gathered"], reference["gathered"], rtol=0, atol=1e-5)
+            evaluated_as_one_process(rank[name], reference, name)
+            torch.testing.assert_close(rank[name]["predicted"].logits,
+                                       reference["predicted"].logits, rtol=0, atol=1e-5)
     assert "dp_shard=2 x pp=2 x tp=2" in runs[0]["1F1B"]["explain"]
-    _, one = built([])
-    state = sw.load(tmp_path, one)
-    assert state.step == 2
-    steps(one, state, STEPS)
-    assert max_param_diff(full_state(one.model), reference["params"]) < 1e-5
+    resumed_in_one_process(tmp_path, reference)
 
 
 def mse(output, target):

@@ -20,6 +20,7 @@ import attrs
 from shardwise._config_source import load_source
 from shardwise._text import short
 from shardwise.configs import ConfigResult, config_kind, ddp_settings, read_config
+from shardwise.configs.distributed_config import as_mapping
 from shardwise.configs.training_args import TrainingSettings, read_training_args
 from shardwise.deepspeed_engine.config_file import engine_config
 from shardwise.deepspeed_engine.transform import deepspeed
@@ -142,6 +143,7 @@ def from_config(source: str | Path | Mapping[str, Any] | Any, *, env: Env | None
     if engine not in ("native", "deepspeed"):
         raise ArgumentError(f"from_config() 'engine' must be 'native' or 'deepspeed' (got "
                             f"{short(engine)})")
+    source = as_mapping(source)  # a Transformers DistributedConfig: its fields
     if engine == "deepspeed":
         return _deepspeed_engine(source, env)
     config = read_config(source, env=env)

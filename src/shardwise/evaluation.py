@@ -31,7 +31,7 @@ def _real_part(batch: Any, loader: Iterable[Any], staged: bool) -> tuple[Any, bo
     """``batch`` cut to the samples that are not the loader's repeats, and whether any is left.
     With none left the first sample is kept (and counted nowhere): a sharded forward is a
     collective, so every rank runs one. Through pipeline stages the batch keeps its size
-    (its microbatches must divide it): the repeats' labels become -100 instead.
+    (one schedule shape for every batch): the repeats' labels become -100 instead.
 
     Raises:
         DataError: through pipeline stages, repeats in a batch without integer labels.

@@ -97,7 +97,7 @@ def microbatch(batch: Any, microbatches: int) -> Any:
     """``batch`` cut to its first microbatch (every tensor's leading dimension / the count)."""
     leaves = [v for v in tree_flatten(batch)[0] if isinstance(v, torch.Tensor) and v.ndim]
     size = int(leaves[0].shape[0]) if leaves else 1
-    step = max(1, size // microbatches)
+    step = max(1, -(-size // microbatches))  # a short batch is padded up, as the run pads it
     return tree_map(lambda v: v[:step] if isinstance(v, torch.Tensor) and v.ndim and
                     v.shape[0] == size else v, batch)
 

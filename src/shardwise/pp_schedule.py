@@ -143,25 +143,27 @@ class PipelineRun:
 
     def _filled(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any
                 ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-        """A decoder batch its microbatches do not divide, padded up to a multiple of them:
+        """A decoder batch its microbatches do not divide, padded up to a multiple of them
+        (under the causal LM loss, not a ``loss=`` of the user's):
         the last sample repeated with its labels all ``-100`` (the loss is a token sum, so
         the padding adds no loss, no count and no gradient); outputs are cut back by the
         caller. Any other batch as it is.
 
         Raises:
-            ConflictError: an ``nn.Sequential``'s batch the microbatches do not divide (its
-                loss may average over samples, which padding would change).
+            ConflictError: any other batch the microbatches do not divide (a loss of the
+                user's may average over samples, which padding would change).
         """
         size = int(args[0].shape[0])
         extra = -size % self.microbatches
         if not extra:
             return args, kwargs, target
-        if self.kind != "decoder":
+        if self.kind != "decoder" or self.loss is not None:
             raise ConflictError(f"pipeline_parallel cuts each batch into {self.microbatches} "
-                                f"microbatches; a batch of {size} samples does not divide (an "
-                                "nn.Sequential's batch is not padded: its loss may average over "
-                                f"samples): use a batch size that is a multiple of "
-                                f"{self.microbatches}, drop_last=True, or another microbatches=")
+                                f"microbatches; a batch of {size} samples does not divide (only "
+                                "a decoder's batch under the causal LM token-sum loss is padded: "
+                                "a loss of your own may average over samples): use a batch size "
+                                f"that is a multiple of {self.microbatches}, drop_last=True, or "
+                                "another microbatches=")
 
         def grown(value: Any) -> Any:
             if not isinstance(value, torch.Tensor) or not value.ndim or value.shape[0] != size:

@@ -273,11 +273,18 @@ def four_ranks(root):
     # a zero-bubble schedule's default: shard(reshard_after_forward=False)
     out["InterleavedZeroBubble"] = train([sw.pipeline_parallel(
         size=2, schedule="InterleavedZeroBubble", microbatches=2)], data_ranks=2)
+    try:  # a plan refused on a module only the last stage holds
+        built([sw.pipeline_parallel(size=2),
+               sw.tensor_parallel({"model.layers.3.input_layernorm": "colwise"}, size=2)])
+    except ConflictError as exc:  # on every rank, not only the last stage's
+        out["refused"] = str(exc)
     return out
 
 
 def test_two_stages_times_two_data_ranks_on_four_ranks_equal_one_process(reference, tmp_path):
     runs = run_distributed(four_ranks, str(tmp_path), world_size=4)
+    assert "refused on the ranks of another pipeline stage" in runs[0]["refused"]
+    assert "model.layers.3.input_layernorm" in runs[2]["refused"]
     split = {**runs[0]["tp"]["params"], **runs[2]["tp"]["params"]}  # pp=2 x tp=2
     assert max_param_diff(split, reference["params"]) < 1e-5
     for rank in runs:
@@ -423,8 +430,8 @@ def test_what_cannot_be_cut_or_divided_is_refused_naming_the_numbers():
     assert "ties lm_head to embed_tokens" in found["tied"]
     assert "torch's DualPipeV schedule refuses 2 microbatches for 4 stages on 2 ranks" in \
         found["dualpipe"]
-    assert "2 microbatches; a batch of 3 samples does not divide (an nn.Sequential's batch is " \
-        "not padded" in found["microbatches"]
+    assert "2 microbatches; a batch of 3 samples does not divide (only a decoder's batch " \
+        "under the causal LM token-sum loss is padded" in found["microbatches"]
     # an nn.Sequential cut between its children, its loss given to pipeline_parallel
     alone, _ = regression([], loss_fn=lambda model, batch: mse(model(batch[0]), batch[1]))
     assert max_param_diff({**found["sequential"], **runs[1]["sequential"]}, alone) < 1e-6

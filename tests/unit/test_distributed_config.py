@@ -76,3 +76,15 @@ def test_pipeline_and_tensor_sizes_alone_and_hsdp():
 def test_what_cannot_be_honoured_is_refused_naming_the_key(config, message):
     with pytest.raises(ConfigError, match=message):
         sw.from_config(config, env=EIGHT)
+
+
+def test_one_process_and_the_fsdp_only_flags_give_notices():
+    """In one process every size is a no-op (as in code); Transformers reads
+    fsdp_cpu_offload and fsdp_mixed_precision for FSDP only."""
+    alone = sw.from_config(DistributedConfig(pp_size=2, tp_size=2), env=sw.Env())
+    assert configured(alone) == [sw.pipeline_parallel(size=2), sw.tensor_parallel(size=2)]
+    assert "are for several processes" in alone.explain()
+    split = sw.from_config({"tp_size": 8, "fsdp_mixed_precision": True}, env=EIGHT)
+    assert configured(split) == [sw.tensor_parallel(size=8)]  # recognised by tp_size alone
+    assert "fsdp_mixed_precision is not applied: Transformers reads it for FSDP only" in \
+        split.explain()

@@ -10,7 +10,8 @@ that dimension, so the model is loaded whole and shardwise cuts, splits and shar
 - ``fsdp_size``: ``shard()``; ``dp_replicate_size`` (the number of nodes):
   ``shard(replicate_across_nodes=True)`` (HSDP);
 - ``fsdp_cpu_offload: true``: ``offload()``; ``fsdp_mixed_precision: true``:
-  ``mixed_precision("bf16")`` (Transformers' policy: bf16 parameters, fp32 reduction).
+  ``mixed_precision("bf16")`` (Transformers' policy: bf16 parameters, fp32 reduction), both
+  only with FSDP (``fsdp_size`` or ``dp_replicate_size`` > 1), as Transformers reads them.
 
 Refused by name: expert parallelism (``ep_size`` > 1, ``ep_plan``, ``enable_expert_parallel``),
 ``enable_sequence_parallel`` (not wired up in Transformers either), a ``tp_plan`` or
@@ -36,8 +37,9 @@ KEYS = ("tp_size", "tp_plan", "enable_sequence_parallel", "enable_expert_paralle
         "fsdp_size", "dp_replicate_size", "fsdp_plan", "fsdp_cpu_offload",
         "fsdp_mixed_precision", "pp_size", "ep_size", "ep_plan", "ep_implementation")
 #: keys that only a DistributedConfig has (how its dict is recognised)
-MARKERS = frozenset({"pp_size", "fsdp_size", "ep_size", "tp_plan", "fsdp_plan", "ep_plan",
-                     "enable_expert_parallel", "enable_sequence_parallel", "ep_implementation"})
+MARKERS = frozenset({"pp_size", "tp_size", "fsdp_size", "dp_replicate_size", "ep_size",
+                     "tp_plan", "fsdp_plan", "ep_plan", "enable_expert_parallel",
+                     "enable_sequence_parallel", "ep_implementation"})
 
 
 def as_mapping(source: Any) -> Any:
@@ -101,11 +103,14 @@ def distributed_config_transforms(src: Source, env: Env) -> list[Transform]:
     if data.get("tp_size") is None and data.get("tp_plan") is not None:  # Transformers: the rest
         tp = max(1, env.world_size // (pp * fsdp * replicas))
     product = pp * fsdp * replicas * tp
-    if product != env.world_size:
+    if not env.is_distributed:  # one process: every size runs as a no-op (explain(), notebooks)
+        src.notice("sizes", f"(pp {pp} x fsdp {fsdp} x dp_replicate {replicas} x tp {tp}) are "
+                   "for several processes: one process runs the model whole")
+    elif product != env.world_size:
         raise ConfigError.at(src.origin, f"pp_size={pp} x fsdp_size={fsdp} x dp_replicate_size="
                              f"{replicas} x tp_size={tp} = {product} ranks, but this run has "
                              f"{env.world_size}; choose sizes whose product is the world size")
-    if replicas > 1 and replicas != env.num_nodes:
+    if env.is_distributed and replicas > 1 and replicas != env.num_nodes:
         raise ConfigError.at(src.origin, f"dp_replicate_size={replicas}: shardwise replicates "
                              f"across nodes and shards within one (HSDP), and this run has "
                              f"{env.num_nodes} node(s); set it to the number of nodes")
@@ -116,10 +121,15 @@ def distributed_config_transforms(src: Source, env: Env) -> list[Transform]:
         out.append(tensor_parallel(size=tp))
     if fsdp > 1 or replicas > 1:
         out.append(shard(replicate_across_nodes=replicas > 1))
-    if src.boolean("fsdp_cpu_offload", data.get("fsdp_cpu_offload", False)):
-        out.append(offload())
-    if src.boolean("fsdp_mixed_precision", data.get("fsdp_mixed_precision", False)):
-        out.append(mixed_precision("bf16"))
+    sharded = fsdp * replicas > 1  # Transformers reads these two for fully_shard only
+    for key, transform in (("fsdp_cpu_offload", offload()),
+                           ("fsdp_mixed_precision", mixed_precision("bf16"))):
+        if src.boolean(key, data.get(key, False)):
+            if sharded:
+                out.append(transform)
+            else:
+                src.notice(key, "is not applied: Transformers reads it for FSDP only, and "
+                           "fsdp_size and dp_replicate_size are 1")
     if pp > 1 and fsdp * replicas > 1:
         src.notice("pp_size", f"={pp} beside fsdp_size={fsdp}: Transformers 5.25 refuses FSDP "
                    "with pipeline parallelism; shardwise shards each stage over its data ranks")

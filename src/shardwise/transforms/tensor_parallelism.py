@@ -173,8 +173,9 @@ class TensorParallel(Transform):
                                 "rank 0 only, which tensor_parallel does not split yet; build it "
                                 "normally (every rank starts from rank 0's weights anyway)")
         refuse_state(bundle.optimizer)
-        chosen = self.resolved(model, size)
         ensure_process_group(env)
+        chosen = self._resolved_everywhere(model, size, bundle.plan.pipeline_parallel is not None,
+                                           env)
         layout = layout_of(env, [self])
         mesh = with_dimension(bundle.mesh, env, layout, "tp", size, repr(self))
         names = param_names(model)
@@ -191,6 +192,35 @@ class TensorParallel(Transform):
             keep_whole(modules[name], mesh["tp"])
         rebind_optimizer(bundle.optimizer, names, model)
         return attrs.evolve(bundle, mesh=mesh, engine=self.engine(env))
+
+    def _resolved_everywhere(self, model: nn.Module, size: int, staged: bool, env: Env
+                             ) -> dict[str, Any]:
+        """:meth:`resolved`, refused on every rank when it is refused on one. Under pipeline
+        parallelism each rank checks the plan against the modules its stages hold, so a
+        module only the last stage holds (a head the size does not divide) is checked there
+        only; the other ranks must not go on into collectives that would wait for it.
+
+        Raises:
+            ConflictError: this rank's refusal, or another stage's (named as such).
+        """
+        if not staged:
+            return self.resolved(model, size)
+        import torch.distributed as dist
+
+        refusal: ConflictError | None = None
+        try:
+            chosen = self.resolved(model, size)
+        except ConflictError as exc:
+            refusal = exc
+        flag = torch.tensor([0.0 if refusal is None else 1.0], device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if refusal is not None:
+            raise refusal
+        if flag.item():
+            raise ConflictError(f"{self!r}: the plan was refused on the ranks of another "
+                                "pipeline stage (their error names the module); fix the plan "
+                                "or the size")
+        return chosen
 
     def engine(self, env: Env) -> Engine:
         """The engine this transform puts in the bundle when no distribution follows it

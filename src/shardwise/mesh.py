@@ -219,7 +219,6 @@ def with_dimension(mesh: DeviceMesh | None, env: Env, layout: MeshLayout | None,
     return found
 
 
-
 def stage_peers(mesh: DeviceMesh) -> Any:
     """The process group of the ranks that hold the same pipeline stages as this one (every
     dimension of ``mesh`` but ``pp``), or the whole world's when ``mesh`` has no ``pp``.

@@ -240,7 +240,6 @@ def split_default(env: Env, transforms: Sequence[Transform]) -> tuple[list[Trans
     if not splitting or not env.is_distributed:
         return None
     from shardwise.mesh import layout_of
-    from shardwise.pp_schedule import ZERO_BUBBLE
     from shardwise.transforms.sharding import shard
 
     mesh = layout_of(env, transforms)
@@ -253,11 +252,11 @@ def split_default(env: Env, transforms: Sequence[Transform]) -> tuple[list[Trans
         return [], reason
     reason += "; DDP runs neither pipeline stages nor DTensor layers, so shard()"
     staged = plan_of(transforms).pipeline_parallel
-    if staged is not None and staged.schedule in ZERO_BUBBLE:  # see PipelineParallel
-        return [shard(reshard_after_forward=False)], reason + (  # .conflicts_with
-            ", its parameters kept gathered through the step: the zero-bubble schedule's weight "
-            "gradients come after later forwards")
-    return [shard()], reason
+    chosen = staged.data_shard() if staged is not None else shard()
+    if not chosen.reshard_after_forward:
+        reason += (", its parameters kept gathered through the step: the zero-bubble "
+                   "schedule's weight gradients come after later forwards")
+    return [chosen], reason
 
 
 def engine_of(transforms: Sequence[Transform], env: Env) -> Engine:

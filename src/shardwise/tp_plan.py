@@ -103,8 +103,7 @@ def resolve(model: nn.Module, plan: Mapping[str, Any], size: int) -> dict[str, A
 
     # under pipeline_parallel a rank holds its stages' modules; the others are Elsewhere
     modules = {n: m for n, m in model.named_modules() if not isinstance(m, Elsewhere)}
-    cut = len(modules) < sum(1 for _ in model.named_modules())
-    whole = all_module_names(model) if cut else list(modules)
+    whole = all_module_names(model)
     chosen: dict[str, Any] = {}
     for pattern, style in plan.items():
         if isinstance(style, str) and style not in STYLES:  # a model's own plan, unchecked

@@ -165,8 +165,7 @@ class PipelineParallel(Transform):
                              "stages do not call; use shard() for the data ranks (FSDP2 on "
                              "each stage)",
                 **{name: f"{name}() {why}" for name in (
-                    "shard_optimizer", "deepspeed",
-                    "local_sgd", "offload")}}
+                    "shard_optimizer", "deepspeed", "local_sgd", "offload")}}
 
     def _check_schedule(self, size: int, microbatches: int) -> None:
         """Build torch's schedule on stand-in stages (nothing runs), so that its own rules on
@@ -183,6 +182,13 @@ class PipelineParallel(Transform):
             raise ConflictError(f"{self!r}: torch's {self.schedule} schedule refuses "
                                 f"{microbatches} microbatches for {size * self.per_rank} stages on "
                                 f"{size} ranks ({exc}); choose another microbatches=") from None
+
+    def data_shard(self) -> Transform:
+        """The ``shard()`` its data ranks take by default: under a zero-bubble schedule with
+        the parameters kept gathered through the step (:meth:`conflicts_with` says why)."""
+        from shardwise.transforms.sharding import shard
+
+        return shard(reshard_after_forward=self.schedule not in ZERO_BUBBLE)
 
     def conflicts_with(self, other: Transform) -> str | None:
         if self.schedule in ZERO_BUBBLE and getattr(other, "factory_name", None) == "shard" \

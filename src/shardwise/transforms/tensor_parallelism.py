@@ -13,7 +13,7 @@ from torch import nn
 from shardwise._params import is_dtensor, param_names, rebind_optimizer, refuse_state
 from shardwise._text import short
 from shardwise.bundle import Bundle
-from shardwise.distributed import ensure_process_group
+from shardwise.distributed import all_agree, ensure_process_group
 from shardwise.engines import Engine, LocalEngine, TPEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
@@ -205,21 +205,16 @@ class TensorParallel(Transform):
         """
         if not staged:
             return self.resolved(model, size)
-        import torch.distributed as dist
-
         refusal: ConflictError | None = None
+        chosen: dict[str, Any] = {}
         try:
             chosen = self.resolved(model, size)
         except ConflictError as exc:
             refusal = exc
-        flag = torch.tensor([0.0 if refusal is None else 1.0], device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if refusal is not None:
-            raise refusal
-        if flag.item():
-            raise ConflictError(f"{self!r}: the plan was refused on the ranks of another "
-                                "pipeline stage (their error names the module); fix the plan "
-                                "or the size")
+        if not all_agree(env, refusal is None):
+            raise refusal or ConflictError(f"{self!r}: the plan was refused on the ranks of "
+                                           "another pipeline stage (their error names the "
+                                           "module); fix the plan or the size")
         return chosen
 
     def engine(self, env: Env) -> Engine:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -45,21 +46,35 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def _without_locals(exc: BaseException) -> BaseException:
+    """``exc`` with the finished frames of its traceback (and its chain's) cleared: kept for
+    its message and traceback, it no longer holds the failed try's tensors."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)  # skips frames still running (ours)
+        error = error.__cause__ or error.__context__
+    return exc
+
+
 def find_executable_batch_size(function: Callable[..., T] | None = None, *,
                                starting_batch_size: int = 128) -> Any:
     """Call ``function(batch_size, *args, **kwargs)`` from ``starting_batch_size``, halving
     the batch size after each out-of-memory error until it runs (Accelerate's contract).
 
     Used as a decorator, with or without arguments; the decorated function is called without
-    its first argument, which is supplied. Between tries garbage is collected and the
-    accelerator's cache emptied; free what the failed try held in your own code. Any other
-    error is raised at once. On several ranks each rank retries on its own: an
-    out-of-memory error inside a collective leaves the other ranks waiting, so prefer
-    :func:`largest_batch_size` (an estimate, nothing run) there.
+    its first argument, which is supplied. Between tries the failed try's frames are
+    released (its error is kept without their locals), garbage is collected and the
+    accelerator's cache emptied; free what the failed try held elsewhere (an attribute, a
+    global) in your own code. Any other error is raised at once. On several ranks each rank
+    retries on its own: an out-of-memory error inside a collective leaves the other ranks
+    waiting, so prefer :func:`largest_batch_size` (an estimate, nothing run) there.
 
     Raises:
         ArgumentError: ``starting_batch_size`` is not an integer >= 1, or the function's
-            first parameter is not the batch size, or the caller passed it.
+            first parameter is not the batch size, or the caller passed it (by name, or
+            by position: more positional arguments than follow it).
         RuntimeError: even a batch of 1 ran out of memory (the last error chained).
 
     Example:
@@ -76,16 +91,26 @@ def find_executable_batch_size(function: Callable[..., T] | None = None, *,
     if function is None:
         return functools.partial(find_executable_batch_size,
                                  starting_batch_size=starting_batch_size)
-    first = next(iter(inspect.signature(function).parameters), None)
-    if first is None:
+    parameters = list(inspect.signature(function).parameters.values())
+    if not parameters:
         raise ArgumentError(f"find_executable_batch_size(): {function.__name__}() must take the "
                             "batch size as its first parameter")
+    first = parameters[0].name
+    # how many positional arguments may follow the batch size (None: any, *args)
+    after = None if any(p.kind is p.VAR_POSITIONAL for p in parameters) else sum(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters) - 1
 
     @functools.wraps(function)
     def tried(*args: Any, **kwargs: Any) -> T:
         if first in kwargs:
             raise ArgumentError(f"{function.__name__}() is called without {first!r}: "
                                 "find_executable_batch_size supplies it")
+        if after is not None and len(args) > after:  # Accelerate's check, by name here
+            raise ArgumentError(
+                f"{function.__name__}() is called without {first!r}: find_executable_batch_size "
+                f"supplies it as the first argument (got {len(args)} positional argument(s), "
+                f"{short(args[0])} first, where {function.__name__}() takes {after} after "
+                f"{first!r}); remove it from the call")
         size, last = starting_batch_size, None
         while size >= 1:
             try:
@@ -93,7 +118,7 @@ def find_executable_batch_size(function: Callable[..., T] | None = None, *,
             except Exception as exc:
                 if not _out_of_memory(exc):
                     raise
-                last = exc
+                last = _without_locals(exc)
             _free()
             size //= 2
         raise RuntimeError(f"{function.__name__}(): no batch size from {starting_batch_size} "

@@ -23,15 +23,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from shardwise.engines.step_hooks import call_model
+from shardwise.engines.step_hooks import IGNORE, call_model
 from shardwise.errors import ConflictError, LossError
 from shardwise.ulysses import Attend, sequence_slice, ulysses_attention
 
 __all__ = ["ContextSplit", "IGNORE", "REGISTRY_NAME", "ADDED", "next_token_labels",
            "causal_lm_loss"]
 
-#: the label that marks a position no loss is computed for (Transformers' and torch's default)
-IGNORE = -100
 #: the name shardwise's attention function is registered under in Transformers' registry
 REGISTRY_NAME = "shardwise_context_parallel"
 

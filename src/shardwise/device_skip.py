@@ -114,14 +114,15 @@ def ready_to_skip(optimizer: torch.optim.Optimizer) -> bool:
     return all(state.get(p) for _, p in trained)
 
 
-def defer(flag: torch.Tensor, step: int, micro_step: int) -> PendingCheck:
+def defer(flag: torch.Tensor, step: int, micro_step: int,
+          items: torch.Tensor | None = None, reduce: bool = False) -> PendingCheck:
     """A :class:`PendingCheck` for ``flag``: on CUDA copied to pinned host memory without
     blocking, with the event that marks the copy done; elsewhere the flag itself (a CPU's
     is host memory already)."""
     if flag.device.type != "cuda":
-        return PendingCheck(step, micro_step, flag)
+        return PendingCheck(step, micro_step, flag, items=items, reduce=reduce)
     host = torch.empty((), dtype=flag.dtype, pin_memory=True)
     host.copy_(flag, non_blocking=True)
     ready: Any = torch.cuda.Event()
     ready.record()
-    return PendingCheck(step, micro_step, host, ready)
+    return PendingCheck(step, micro_step, host, ready, items=items, reduce=reduce)

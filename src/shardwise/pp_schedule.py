@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.context_split import IGNORE, ContextSplit, causal_lm_loss, next_token_labels
-from shardwise.errors import ConflictError, LossError
+from shardwise.errors import ArgumentError, ConflictError, LossError
 
 __all__ = ["SCHEDULES", "PipelineRun", "stages_on", "bubble"]
 #: every schedule torch offers, by the name ``pipeline_parallel(schedule=...)`` takes
@@ -100,6 +100,9 @@ class PipelineRun:
     #: records, so that it loads at another layout)
     group_sizes: list[int] = attrs.field(factory=list)
     context: ContextSplit | None = attrs.field(default=None, repr=False)
+    #: samples in each of the loader's batches, when known (a shorter batch, an epoch's last,
+    #: is padded up to the microbatches; without a loader no batch may be smaller than them)
+    batch_size: int | None = None
     _built: dict[Any, Any] = attrs.field(factory=dict, repr=False)
     _counts: list[torch.Tensor] = attrs.field(factory=list, repr=False)
 
@@ -157,6 +160,11 @@ class PipelineRun:
         extra = -size % self.microbatches
         if not extra:
             return args, kwargs, target
+        if self.microbatches > (self.batch_size or size):
+            raise ArgumentError(f"pipeline_parallel(microbatches={self.microbatches}) cuts each "
+                                f"batch into {self.microbatches} microbatches; a batch of {size} "
+                                "samples cannot fill them (each needs a sample); use "
+                                f"microbatches <= {size} or larger batches")
         if self.kind != "decoder" or self.loss is not None:
             raise ConflictError(f"pipeline_parallel cuts each batch into {self.microbatches} "
                                 f"microbatches; a batch of {size} samples does not divide (only "

@@ -36,6 +36,10 @@ class PendingCheck:
     micro_step: int
     flag: torch.Tensor
     ready: Any = None
+    #: the window's item count (read only once the step failed, to say why), if counted,
+    #: and whether it is this rank's alone (reduced over the ranks then)
+    items: torch.Tensor | None = None
+    reduce: bool = False
 
     def failed(self) -> bool:
         """Whether the step saw a non-finite loss or gradient (its update was not applied)."""

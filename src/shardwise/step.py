@@ -16,7 +16,14 @@ from shardwise.context_split import ContextSplit
 from shardwise.data import DeviceLoader, same_batch, to_device
 from shardwise.distributed import collective_failure
 from shardwise.engines.base import Engine
-from shardwise.engines.step_hooks import Micro, StepRun, WindowEnd, call_model, nonfinite_text
+from shardwise.engines.step_hooks import (
+    Micro,
+    StepRun,
+    WindowEnd,
+    call_model,
+    no_items_text,
+    nonfinite_text,
+)
 from shardwise.env import Env
 from shardwise.errors import NonFiniteError, OptimizerError
 from shardwise.mesh import batch_copies
@@ -111,11 +118,16 @@ class Stepper:
             run = self.run
             run.optimizer.zero_grad(set_to_none=True)
             stepped = " (the scheduler had stepped)" if run.scheduler is not None else ""
+            empty = no_items_text(pending.step, pending.micro_step, pending.items, pending.reduce)
+            remedy = ("Check the labels and masks of these batches (a prompt mask or truncation "
+                      "can hide every token), or pass on_nonfinite='skip' to skip such steps"
+                      if empty is not None else "Pass on_nonfinite='skip' to skip such steps, "
+                      "or lower the learning rate / add clip_gradients")
             raise NonFiniteError(
-                nonfinite_text(pending.step, pending.micro_step) + "its update was skipped on "
-                f"the device, parameters and optimizer state are as before it{stepped}; seen at "
-                f"micro-step {micro}. Pass on_nonfinite='skip' to skip such steps, or lower "
-                "the learning rate / add clip_gradients; exc.state continues without it",
+                (empty or nonfinite_text(pending.step, pending.micro_step)) + "its update was "
+                f"skipped on the device, parameters and optimizer state are as before "
+                f"it{stepped}; seen at micro-step {micro}. {remedy}; exc.state continues "
+                "without it",
                 state=attrs.evolve(state, pending_check=None,
                                    skipped_steps=state.skipped_steps + 1))
 

@@ -133,7 +133,7 @@ def _checkpoints(base: type) -> dict[str, Any]:
         sharded_files.load_optimizer_and_scheduler(self, checkpoint)
 
     def _load_best_model(self: Any) -> None:
-        transaction.verify_checkpoint(self, self.state.best_model_checkpoint)
+        transaction.verify_checkpoint(self, self.state.best_model_checkpoint, resuming=False)
         if not sharded_files.sharded(self):
             return base._load_best_model(self)  # type: ignore[attr-defined]
         sharded_files.load_best_model(self)

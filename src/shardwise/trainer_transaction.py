@@ -10,16 +10,23 @@ same transaction as ``sw.save``'s (:mod:`shardwise.checkpoint.transaction`):
    back or clears what an interrupted save left, and makes ``.tmp.checkpoint-N``;
 2. the Trainer's own ``_save_checkpoint`` writes ``checkpoint-N`` inside it (its files,
    layout, best-model tracking and ``trainer_state.json`` unchanged);
-3. rank 0 writes ``checksums.json`` (a SHA-256 of every file, sealed), renames the folder to
+3. rank 0 writes ``shardwise-trainer.json`` (the record that shardwise wrote the folder) and
+   ``checksums.json`` (a SHA-256 of every file, sealed), renames the folder to
    ``checkpoint-N`` (a re-save of step N sets the published one aside first, never deleting
    it before), and applies ``save_total_limit`` as the Trainer does, each deletion a rename
-   out of the published names first.
+   out of the published names first; a checkpoint that is not ours to delete (read-only) is
+   left under its name with a warning, as the Trainer's ``rmtree`` leaves it.
 
 Before the Trainer loads a checkpoint (``resume_from_checkpoint``,
-``load_best_model_at_end``) every rank verifies its files against ``checksums.json``: a
-flipped bit, a missing or extra-linked file, a forged manifest is a ``CheckpointError``
-naming the file. A folder without ``checksums.json`` (written by the Trainer on Accelerate)
-loads unverified, with a warning.
+``load_best_model_at_end``), so before any state changes, every rank checks it: each file
+against ``checksums.json`` (a flipped bit, a missing or extra-linked file, a forged
+manifest), and every file in the folder listed there (the Trainer loads what it finds: a
+planted ``optimizer.pt`` is refused); the pickles a resume reads after the weights
+(``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth``) must load with
+``weights_only=True``. Each failure is a ``CheckpointError`` naming the file. A folder
+with neither ``checksums.json`` nor shardwise's record (written by the Trainer on
+Accelerate) skips the checksums, with a warning; one with the record but no manifest is
+refused.
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
+import zipfile
 from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint.integrity import MANIFEST, digest_in, manifest, verify
-from shardwise.checkpoint.layout import write_durably
+from shardwise.checkpoint.layout import read_json, write_durably
 from shardwise.checkpoint.transaction import (
     TMP,
     PublishedError,
@@ -50,6 +59,13 @@ log = logging.getLogger("shardwise.checkpoint")
 #: the Trainer's names (transformers.trainer_utils.PREFIX_CHECKPOINT_DIR and
 #: transformers.trainer.TRAINER_STATE_NAME), fixed by its checkpoint layout
 PREFIX, TRAINER_STATE = "checkpoint", "trainer_state.json"
+#: the record that shardwise wrote a checkpoint-N folder: with it, the folder's
+#: checksums.json is required (deleting the manifest never turns verification off)
+RECORD = "shardwise-trainer.json"
+#: what a resume reads with torch.load(weights_only=True) after the model's weights (the
+#: Trainer's OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME and its RNG files)
+PICKLES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth")
+_MAX_MANIFEST_BYTES = 64 * 2**20
 
 
 def save_checkpoint(trainer: Any, base_save: Any, model: Any, trial: Any) -> None:
@@ -121,11 +137,14 @@ def _write_staged(trainer: Any, base_save: Any, model: Any, trial: Any, run_dir:
 
 
 def _seal(folder: Path) -> dict[str, int]:
-    """``checksums.json`` for every file under ``folder``; their sizes.
+    """shardwise's record, then ``checksums.json`` for every file under ``folder`` (the
+    record included); their sizes.
 
     Raises:
         OSError: a file is a symlink, or under one, or not a regular file.
     """
+    write_durably(folder / RECORD, json.dumps({"written_by": "shardwise", "manifest": MANIFEST,
+                                               "layout": "transformers.Trainer checkpoint"}))
     names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                    if not p.is_dir() or p.is_symlink())
     files = {n: digest_in(folder, n) for n in names}
@@ -148,18 +167,106 @@ def _rotate(run_dir: Path, limit: int | None, best: str | None) -> None:
         if surplus <= 0:
             break
         if path not in keep:
-            retire(Path(path))
+            blocker = _read_only(Path(path))
+            if blocker:  # counted as deleted all the same: the Trainer's rmtree fails alike
+                log.warning("save_total_limit: %s is left in place: %s is read-only (kept on "
+                            "purpose, as the Trainer on Accelerate's rmtree keeps a read-only "
+                            "folder); delete it yourself, or make it writable", path, blocker)
+            else:
+                retire(Path(path))
             surplus -= 1
 
 
-def verify_checkpoint(trainer: Any, path: str | os.PathLike[str] | None) -> None:
+def _read_only(folder: Path) -> Path | None:
+    """What makes ``folder`` not ours to delete: the run directory, the folder, or anything
+    in it that is read-only; None when there is nothing.
+
+    Read-only means no write permission for us (``os.access``) or no write bit at all in its
+    mode (``chmod a-w``, ``chmod 555``): root passes ``os.access`` everywhere, so the bits
+    alone tell that a checkpoint was made read-only on purpose. A read-only file counts too,
+    although its directory would let it go: someone meant it to stay. Symlinks' own modes
+    mean nothing and are not read.
+    """
+    def read_only(path: Path) -> bool:
+        mode = os.lstat(path).st_mode
+        return not (os.access(path, os.W_OK)
+                    and mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+    for path in (folder.parent, folder):
+        if read_only(path):
+            return path
+    for here, dirs, files in os.walk(folder):
+        for name in sorted(dirs + files):
+            path = Path(here) / name
+            if not path.is_symlink() and read_only(path):
+                return path
+    return None
+
+
+def verify_checkpoint(trainer: Any, path: str | os.PathLike[str] | None, *,
+                      resuming: bool = True) -> None:
     """Raise on every rank, naming the file, unless the checkpoint at ``path`` matches its
-    ``checksums.json``; one without (the Trainer on Accelerate's) loads with a warning."""
+    ``checksums.json`` and every file in it is listed there; with ``resuming``, also unless
+    each pickle the resume reads after the weights loads with ``weights_only=True``. Called
+    before anything is loaded. A folder with neither the manifest nor shardwise's record
+    (the Trainer on Accelerate's) skips the checksums, with a warning."""
     if path is None:
         return
-    folder = Path(path)
-    if not os.path.lexists(folder / MANIFEST):
+    folder, env = Path(path), trainer.accelerator.env
+    problem = ""
+    if os.path.lexists(folder / MANIFEST):
+        verify(folder, env)  # every rank raises the same error
+        problem = _unlisted(folder)
+    elif os.path.lexists(folder / RECORD):
+        problem = (f"{folder / MANIFEST} is missing, but {folder / RECORD} records that "
+                   "shardwise wrote the checkpoint: its files cannot be verified (it is "
+                   "damaged, or was altered); resume from another checkpoint")
+    else:
         log.warning("%s has no %s (written by the Trainer on Accelerate, or damaged): loading "
                     "it unverified", folder, MANIFEST)
-        return
-    verify(folder, trainer.accelerator.env)
+    if not problem and resuming:
+        problem = _unloadable(folder)
+    if not all_agree(env, not problem):
+        said = from_main(env, problem)
+        raise CheckpointError(problem or said or f"checking {folder} failed on another rank")
+
+
+def _unlisted(folder: Path) -> str:
+    """The first file in ``folder`` (a symlink, a FIFO: any entry but a directory) that its
+    verified ``checksums.json`` does not list, in words; "" when there is none."""
+    listed = read_json(folder / MANIFEST, _MAX_MANIFEST_BYTES, follow=False)["files"]
+    for here, dirs, files in os.walk(folder):
+        entries = files + [d for d in dirs if os.path.islink(os.path.join(here, d))]
+        for name in sorted(entries):
+            found = Path(here) / name
+            relative = str(found.relative_to(folder))
+            if relative != MANIFEST and relative not in listed:
+                return (f"{found} is not listed in {folder / MANIFEST}: no checksum covers it "
+                        "(copied in after the save?), and the Trainer would load it; remove "
+                        "it, or resume from another checkpoint")
+    return ""
+
+
+def _unloadable(folder: Path) -> str:
+    """The first of the Trainer's pickles in ``folder`` that ``torch.load`` refuses with
+    ``weights_only=True`` (numpy's RNG types allowed, as the Trainer allows them), in
+    words; "" when each loads. Storages are memory-mapped, not read."""
+    import torch
+    from transformers.trainer_pt_utils import safe_globals
+
+    for pattern in PICKLES:
+        for found in sorted(folder.glob(pattern)):
+            if not found.is_file():
+                continue
+            try:
+                with safe_globals():  # torch maps only its zip format; a legacy file is read
+                    torch.load(found, map_location="cpu", weights_only=True,
+                               mmap=zipfile.is_zipfile(found))
+            except Exception as exc:  # what the Trainer's own torch.load would raise
+                lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+                why = next((line for line in lines if line.startswith("WeightsUnpickler")),
+                           lines[0]).split(". ")[0]  # an unpickling error's reason
+                return (f"{found} cannot be loaded with torch.load(weights_only=True) "
+                        f"({type(exc).__name__}: {why[:200]}): it is damaged, or a planted "
+                        "pickle; nothing was loaded: resume from another checkpoint")
+    return ""

@@ -120,14 +120,95 @@ def test_multistep_milestones_survive_a_checkpoint(tmp_path):
     assert run(resume_at=3) == whole[3:]
 
 
-def test_a_symlink_named_like_a_moved_aside_checkpoint_blocks_nothing(tmp_path):
+def test_a_symlink_named_like_a_moved_aside_checkpoint_is_left_and_named(tmp_path):
+    """Only what shardwise wrote is swept: a re-save whose set-aside name is taken by a
+    user's symlink is refused naming it; the link, its target and step 1 stay."""
     bundle = build_lm([], accumulate=1)
     state, _ = train_for(bundle, bundle.init(), 1)
     sw.save(tmp_path, bundle, state)
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / ".old.step_00000001").symlink_to(tmp_path / "elsewhere")
-    sw.save(tmp_path, bundle, state)  # a re-save of step 1
+    with pytest.raises(CheckpointError, match=r"\.old\.step_00000001 is in the way"):
+        sw.save(tmp_path, bundle, state)  # a re-save of step 1
+    assert (tmp_path / ".old.step_00000001").is_symlink()
     assert (tmp_path / "elsewhere").is_dir() and sw.load(tmp_path, bundle).step == 1
+
+
+def test_the_sweep_removes_only_what_shardwise_wrote(tmp_path):
+    """A save clears an interrupted save's .tmp.step_N and a half-deleted .trash.*, and
+    leaves the user's own hidden entries, whatever their prefix."""
+    bundle = build_lm([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+    sw.save(tmp_path, bundle, state)
+    mine = {".tmp.notes": "file", ".old.config": "file", ".old.data": "dir", "data": "dir",
+            ".tmp.scratch": "dir", ".trash.old": "dir"}
+    for name, kind in mine.items():
+        if kind == "file":
+            (tmp_path / name).write_text("keep me")
+        else:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "notes.txt").write_text("keep me")
+    debris = tmp_path / ".tmp.step_00000007"  # killed mid-write
+    (debris / "rng").mkdir(parents=True)
+    (debris / "__0_0.distcp").write_bytes(b"x")
+    trash = tmp_path / ".trash.step_00000001.0123abcd"  # killed mid-delete
+    trash.mkdir()
+    (trash / transaction.TRASH_MARK).touch()
+    (trash / ".metadata").write_bytes(b"x")
+    state, _ = train_for(bundle, state, 1)
+    sw.save(tmp_path, bundle, state)
+    assert not debris.exists() and not trash.exists()
+    for name, kind in mine.items():
+        path = tmp_path / name if kind == "file" else tmp_path / name / "notes.txt"
+        assert path.read_text() == "keep me", name
+
+
+@pytest.mark.parametrize("planted", ["folder", "file", "symlink", "step folder"])
+def test_a_save_never_replaces_what_shardwise_did_not_write(tmp_path, planted):
+    """A user's folder, file or symlink where a named or step checkpoint would go is
+    refused, naming it, and kept; a named checkpoint of shardwise's is replaced."""
+    bundle = build_lm([], accumulate=1)
+    state, _ = train_for(bundle, bundle.init(), 1)
+    name = "step_00000001" if planted == "step folder" else "final"
+    target = tmp_path / name
+    if planted in ("folder", "step folder"):
+        target.mkdir()
+        (target / "notes.txt").write_text("keep me")
+    elif planted == "file":
+        target.write_text("keep me")
+    else:
+        (tmp_path / "export").mkdir()
+        target.symlink_to(tmp_path / "export")
+    with pytest.raises(CheckpointError, match="not a checkpoint shardwise saved under this name"):
+        sw.save(tmp_path, bundle, state, name=None if planted == "step folder" else name)
+    kept = {"folder": target / "notes.txt", "step folder": target / "notes.txt",
+            "file": target, "symlink": tmp_path / "export"}[planted]
+    assert kept.exists() and (planted == "symlink" or kept.read_text() == "keep me")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp.")]
+    sw.save(tmp_path, bundle, state, name="again")
+    sw.save(tmp_path, bundle, state, name="again")  # its own: replaced
+    assert sw.load(tmp_path, bundle, name="again").step == 1
+
+
+def test_a_named_checkpoint_that_is_a_symlink_is_never_followed(tmp_path):
+    other = build_lm([], accumulate=1)
+    state, _ = train_for(other, other.init(), 2)
+    published = sw.save(tmp_path / "other_run", other, state)
+    bundle = build_lm([], accumulate=1)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "best").symlink_to(published)
+    before = fingerprint(bundle)
+    with pytest.raises(CheckpointError, match="is a symlink"):
+        sw.load(tmp_path / "run", bundle, name="best")
+    assert same(before, fingerprint(bundle))
+
+
+@pytest.mark.parametrize("name", ["latest.tmp", "latest.old", "latest"])
+def test_names_of_the_latest_marker_are_refused(tmp_path, name):
+    bundle = build_lm([], accumulate=1)
+    with pytest.raises(sw.errors.ArgumentError, match="'latest'"):
+        sw.save(tmp_path, bundle, sw.TrainState(), name=name)
+    assert not list(tmp_path.iterdir())
 
 
 def test_latest_is_followed_past_step_99999999(tmp_path):

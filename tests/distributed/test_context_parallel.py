@@ -341,3 +341,41 @@ def test_context_parallel_arguments_are_checked():
         sw.context_parallel(method="ring")
     with pytest.raises(ConflictError, match="deepspeed"):
         sw.pipeline(sw.context_parallel(), sw.deepspeed({"zero_optimization": {"stage": 2}}))
+
+
+def unlabelled(parts_list):
+    """The error of a first step whose batch has no labelled token, under each of
+    ``parts_list`` (fused AdamW: the check is read at the next call; SGD: at once)."""
+    found = []
+    for parts, optimizer in parts_list:
+        model = llama()
+        data = Prompts(size=8, seq=SEQ)
+        data.labels[:] = -100
+        opt = optimizer(model.parameters(), lr=1e-3)
+        bundle = sw.pipeline(sw.detect(), *parts)(model, opt, DataLoader(data, batch_size=4))
+        state = bundle.init()
+        try:
+            state, _ = bundle.step(state, next(iter(bundle.loader)))
+            bundle.check(state)
+            found.append("no error")
+        except sw.errors.NonFiniteError as exc:
+            found.append(str(exc))
+    return found
+
+
+def adamw(params, lr):
+    return torch.optim.AdamW(params, lr=lr, fused=True)
+
+
+def test_a_window_without_labelled_tokens_is_named_the_same_on_every_layout():
+    """Every label -100: the error says so (not the learning rate), in the same words in one
+    process and on 2 ranks under replicate, context_parallel and pipeline_parallel."""
+    layouts = [([], adamw), ([], torch.optim.SGD), ([sw.replicate()], adamw),
+               ([sw.context_parallel()], adamw), ([sw.context_parallel()], torch.optim.SGD),
+               ([sw.pipeline_parallel()], adamw)]
+    alone = unlabelled(layouts[:2])
+    ranks = run_distributed(unlabelled, layouts[2:], world_size=2)
+    for text in alone + ranks[0] + ranks[1]:
+        assert "optimizer step 1 (micro-step 1): its window holds no labelled token on any " \
+               "rank (every label is -100" in text, text
+        assert "learning rate" not in text and "Check the labels and masks" in text

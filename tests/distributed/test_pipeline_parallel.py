@@ -411,6 +411,13 @@ def refusals():
     found["sequential"] = params
     short = next(iter(bundle.loader))
     refused("microbatches", lambda: bundle.step(bundle.init(), (short[0][:3], short[1][:3])))
+    # more microbatches than samples: refused, not padded (2^20 of them used to stall)
+    refused("too_many", lambda: built([sw.pipeline_parallel(microbatches=1048576)]))
+    model = llama()
+    loose = sw.pipeline(sw.detect(), sw.pipeline_parallel(microbatches=4))(
+        model, torch.optim.AdamW(model.parameters()))  # no loader: the batch is all it knows
+    two = next(iter(DataLoader(Prompts(), batch_size=2)))
+    refused("too_many_step", lambda: loose.step(loose.init(), two))
     refused("loss_fn", lambda: sw.pipeline(sw.pipeline_parallel())(
         llama(), None, loss_fn=token_sum))
     refused("split", lambda: built([sw.pipeline_parallel(split=["model.layers.9"])]))
@@ -435,6 +442,9 @@ def test_what_cannot_be_cut_or_divided_is_refused_naming_the_numbers():
     # an nn.Sequential cut between its children, its loss given to pipeline_parallel
     alone, _ = regression([], loss_fn=lambda model, batch: mse(model(batch[0]), batch[1]))
     assert max_param_diff({**found["sequential"], **runs[1]["sequential"]}, alone) < 1e-6
+    assert "1048576 microbatches for the loader's batches of 4 samples" in found["too_many"]
+    assert "microbatches must be at most the batch size (4)" in found["too_many"]
+    assert "a batch of 2 samples cannot fill them" in found["too_many_step"]
     assert "drop loss_fn" in found["loss_fn"]
     assert "'model.layers.9', which is not a layer" in found["split"]
     assert "cut already by Transformers' distributed_config(pp_size=2)" in found["transformers"]

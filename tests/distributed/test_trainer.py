@@ -450,3 +450,102 @@ def test_the_trainers_pipeline_says_it_splits_and_seeds_loaders_as_accelerate(tm
     assert sw.distribute_data(seed=3, non_blocking=False, pin_memory=False, split="batches",
                               global_seed=True) in pipe.transforms
     assert not pipe.fit_options  # the Trainer runs its own loop
+
+
+def one_process_trainer(output_dir, **overrides):
+    """A Trainer on shardwise in this process (world size 1): 4 optimizer steps, a
+    checkpoint every 2."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(**{
+        "output_dir": str(output_dir), "per_device_train_batch_size": 2, "max_steps": 4,
+        "learning_rate": 3e-3, "warmup_steps": 2, "save_strategy": "steps", "save_steps": 2,
+        "report_to": [], "use_cpu": True, "seed": 7, "disable_tqdm": True,
+        "dataloader_num_workers": 0, **overrides})
+    return sw.Trainer(model=tiny_llama(), args=args, train_dataset=token_data(16, 1))
+
+
+class Planted:
+    """What a planted pickle runs when it is loaded (torch.load(weights_only=True) refuses)."""
+
+    def __reduce__(self):
+        return print, ("a planted pickle ran",)
+
+
+def refused_before_loading(output_dir, checkpoint, match):
+    """Resuming from ``checkpoint`` raises a CheckpointError matching ``match`` before the
+    model holds a single weight of it."""
+    trainer = one_process_trainer(output_dir)
+    with pytest.raises(sw.errors.CheckpointError, match=match):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    fresh = tiny_llama().state_dict()
+    assert all(torch.equal(value, fresh[name]) for name, value in
+               trainer.model.state_dict().items())  # nothing of the checkpoint was loaded
+
+
+def test_a_resume_loads_only_files_its_checksums_cover_and_checks_them_all_first(tmp_path):
+    """A sealed checkpoint loads only the files its checksums.json lists: an optimizer.pt
+    and scheduler.pt of step 2 planted into a save_only_model checkpoint-4, or swapped in
+    after checksums.json was deleted, are refused by name. A folder the Trainer on Accelerate
+    wrote (no checksums.json, no shardwise record) loads with a warning, but a pickle planted
+    in its rng_state.pth is refused by name before anything is loaded."""
+    import shutil
+
+    one_process_trainer(tmp_path / "full").train()
+    one_process_trainer(tmp_path / "lean", save_only_model=True).train()
+    step2, step4, lean = (tmp_path / "full" / "checkpoint-2", tmp_path / "full" / "checkpoint-4",
+                          tmp_path / "lean" / "checkpoint-4")
+    assert not (lean / "optimizer.pt").exists()
+    for name in ("optimizer.pt", "scheduler.pt"):
+        shutil.copy(step2 / name, lean / name)
+    refused_before_loading(tmp_path / "a", lean, r"optimizer\.pt is not listed in .*checksums\.json")
+
+    (step4 / "checksums.json").unlink()
+    shutil.copy(step2 / "optimizer.pt", step4 / "optimizer.pt")
+    refused_before_loading(tmp_path / "b", step4, r"checkpoint-4/checksums\.json is missing")
+
+    theirs = tmp_path / "theirs" / "checkpoint-2"  # as the Trainer on Accelerate writes it
+    shutil.copytree(step2, theirs)
+    for path in theirs.iterdir():
+        if path.name not in {"config.json", "generation_config.json", "model.safetensors",
+                             "optimizer.pt", "scheduler.pt", "rng_state.pth",
+                             "trainer_state.json", "training_args.bin"}:
+            path.unlink()  # shardwise's own files
+    torch.save({"python": Planted()}, theirs / "rng_state.pth")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(theirs / "rng_state.pth", weights_only=True)
+    refused_before_loading(tmp_path / "c", theirs, r"checkpoint-2/rng_state\.pth cannot be loaded")
+    shutil.copy(step2 / "rng_state.pth", theirs / "rng_state.pth")
+    one_process_trainer(tmp_path / "c").train(resume_from_checkpoint=str(theirs))  # unverified
+
+
+def test_save_total_limit_leaves_a_checkpoint_it_cannot_delete_under_its_name(tmp_path, caplog):
+    """A checkpoint made read-only (its folder, or the files in it) is left where it is under
+    its own name, with a warning naming it, as the Trainer on Accelerate (whose rmtree
+    cannot delete it) leaves it; it counts as deleted, as there, and the next is deleted."""
+    import logging
+    import os
+    import stat
+    import time
+
+    run = tmp_path / "run"
+    frozen, locked = run / "checkpoint-1", run / "checkpoint-0"
+    for folder in (frozen, locked):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"weights")
+        os.utime(folder, (time.time() - 600, time.time() - 600))  # the oldest
+    (locked / "model.safetensors").chmod(0o444)
+    frozen.chmod(0o555)
+    try:
+        with caplog.at_level(logging.WARNING, logger="shardwise.checkpoint"):
+            one_process_trainer(run, max_steps=6, save_total_limit=2).train()
+    finally:
+        frozen.chmod(0o755)
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == \
+        ["checkpoint-0", "checkpoint-1", "checkpoint-4", "checkpoint-6"]
+    assert not list(run.glob(".trash.*"))
+    for folder in (frozen, locked):
+        assert (folder / "model.safetensors").read_bytes() == b"weights"
+        assert any(str(folder) in r.getMessage() and r.levelno == logging.WARNING
+                   for r in caplog.records), folder
+    assert stat.S_IMODE(locked.joinpath("model.safetensors").stat().st_mode) == 0o444

@@ -54,6 +54,39 @@ def test_find_executable_batch_size_raises_any_other_error_at_once_and_checks_it
         sw.find_executable_batch_size(lambda: None)
 
 
+def test_a_failed_try_holds_nothing_during_the_next():
+    """What a try that ran out of memory allocated is freed before the next try starts (the
+    saved error keeps no frame alive); the last error still chains, with its traceback."""
+    import weakref
+
+    held, alive = [], []
+
+    def train(batch_size):
+        alive.append([ref() is not None for ref in held])
+        activations = torch.ones(1024)
+        held.append(weakref.ref(activations))
+        if batch_size > 1:
+            torch.empty(2**62, dtype=torch.uint8)
+        raise torch.OutOfMemoryError("out of memory at batch 1")
+
+    with pytest.raises(RuntimeError, match="no batch size from 4 down to 1") as caught:
+        sw.find_executable_batch_size(train, starting_batch_size=4)()
+    assert alive == [[], [False], [False, False]]
+    assert "batch 1" in str(caught.value.__cause__) and caught.value.__cause__.__traceback__
+
+
+def test_a_batch_size_passed_by_position_is_refused_by_name():
+    train, tried = allocating(8)
+    decorated = sw.find_executable_batch_size(train, starting_batch_size=4)
+    with pytest.raises(ArgumentError, match=r"train\(\) is called without 'batch_size'.*"
+                                            r"got 2 positional argument"):
+        decorated(64, 2)
+    with pytest.raises(ArgumentError, match="called without 'batch_size'"):
+        sw.find_executable_batch_size(lambda batch_size: batch_size)(64)
+    assert tried == [] and decorated(2) == 8  # scale=2: one argument after the batch size
+    assert sw.find_executable_batch_size(lambda batch_size, *rest: len(rest))(1, 2) == 2
+
+
 def tokens(n):
     return {"input_ids": torch.zeros(n, 32, dtype=torch.long),
             "labels": torch.zeros(n, 32, dtype=torch.long)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import errno
+import functools
 import json
 import logging
 import math
@@ -207,8 +208,34 @@ def start(env: Env, root: Path, tmp: Path, final: Path, step: int, keep_last: in
     if not _IN_FLIGHT.exit_hook:  # registered after the group's own exit: runs before it
         atexit.register(_wait_at_exit)
         _IN_FLIGHT.exit_hook = True
+    _destroy_waits_for_saves()
     handle._thread.start()
     return handle
+
+
+def _destroy_waits_for_saves() -> None:
+    """Make ``torch.distributed.destroy_process_group`` wait for this process's save in
+    flight first. A script's usual last line destroys every group, the one DCP's background
+    collectives run on included: the save then hung or failed and its checkpoint was lost.
+    torch has no hook on destroy, so its function is wrapped (once; the wrapper only waits,
+    then calls torch's). A failed save is still reported by the exit hook."""
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+    if getattr(original, "_waits_for_saves", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> None:
+        handle = _IN_FLIGHT.handle
+        thread = None if handle is None else handle._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()  # published (or failed) before its group goes
+        original(group)
+
+    destroy_process_group._waits_for_saves = True  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
 
 
 class _Report:

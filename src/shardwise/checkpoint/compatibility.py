@@ -17,7 +17,8 @@ from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.errors import ArgumentError, CheckpointError
 
-__all__ = ["SKIPPABLE", "check_skip", "parts_of", "check_parts", "scheduler_loads", "refusal"]
+__all__ = ["SKIPPABLE", "check_skip", "parts_of", "check_parts", "scheduler_loads", "refusal",
+           "whole_model_groups", "uncovered_groups"]
 
 #: what ``sw.load(..., skip=...)`` may leave out
 SKIPPABLE = ("optimizer", "scheduler", "scaler", "rng")
@@ -61,6 +62,52 @@ def parts_of(bundle: Bundle) -> dict[str, Any]:
         "scheduler": None if scheduler is None else {"class": _qualified(scheduler)},
         "scaler": bundle.scaler is not None,
     }
+
+
+def whole_model_groups(bundle: Bundle, other: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's JSON part (param groups by parameter name, non-tensor state) of the
+    whole model. Under pipeline stages each rank's optimizer holds its stages' parameters
+    only, and rank 0 alone writes the record: the pipeline group's parts are merged (a
+    collective over it), so every stage finds its parameters' hyperparameters on load."""
+    stages = bundle.stages
+    if stages is None or not other:
+        return other
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * stages.size
+    dist.all_gather_object(every, other, group=stages.group)
+    groups: list[dict[str, Any]] = [dict(g, params=list(g.get("params", [])))
+                                    for g in other.get("param_groups", [])]
+    state: dict[str, Any] = {}
+    for theirs in every:
+        state.update(theirs.get("state", {}))
+        for mine, group in zip(groups, theirs.get("param_groups", []), strict=True):
+            mine["params"] += [n for n in group.get("params", []) if n not in mine["params"]]
+    return {**other, "state": state, "param_groups": groups}
+
+
+def uncovered_groups(meta: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """The parameters of this rank's optimizer (``other``: its JSON part, groups naming
+    parameters) that the checkpoint's record gives no param group (a pipeline-parallel
+    checkpoint written before the groups were merged names rank 0's parameters only: loading
+    it would leave this rank's groups without their hyperparameters); [] when all are."""
+    saved = (meta.get("optimizer") or {}).get("param_groups")
+    if not isinstance(saved, list):
+        return []
+    problems = []
+    for index, (mine, theirs) in enumerate(zip(other.get("param_groups", []), saved,
+                                               strict=False)):
+        names = theirs.get("params") if isinstance(theirs, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            continue
+        missing = [n for n in mine.get("params", []) if isinstance(n, str) and n not in names]
+        if missing:
+            problems.append(f"optimizer param group {index}: the checkpoint records no "
+                            f"hyperparameters for {len(missing)} of this rank's parameters "
+                            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+                            "it was written by rank 0 of a pipeline-parallel run that recorded "
+                            "its own stage's groups only")
+    return problems
 
 
 def _optimizer(saved: dict[str, Any], mine: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["META", "FORMAT", "TORCH_FORMAT", "MANIFEST", "LATEST", "OLD", "write_durably",
-           "is_step_name", "check_name", "named",
+           "is_step_name", "check_name", "named", "is_ours",
            "fsync_dir", "is_complete", "incomplete_parts", "complete_steps", "candidates",
            "latest_checkpoint", "open_regular", "read_json", "RNG", "rng_file", "step_of"]
 
@@ -159,10 +159,11 @@ def check_name(name: object, where: str) -> str:
         ValueError: naming the value and what is accepted.
     """
     if not isinstance(name, str) or _NAME.fullmatch(name) is None or name == LATEST \
-            or name.startswith("step_"):
+            or name.startswith((LATEST + ".", "step_")):
         raise ValueError(f"{where} 'name' must be 1-100 letters, digits, '.', '_' or '-', "
-                         f"starting with a letter or digit, and neither 'latest' nor "
-                         f"'step_...' (those are the step checkpoints'); got {name!r}")
+                         f"starting with a letter or digit, and neither 'latest', "
+                         f"'latest.*' nor 'step_...' (the names of the step checkpoints and "
+                         f"of the marker naming the newest); got {name!r}")
     return name
 
 
@@ -171,10 +172,10 @@ def named(root: Path, name: str) -> Path:
     re-save of it is between its two renames."""
     path = root / name
     moved = root / (OLD + name)
-    return moved if not os.path.lexists(path) and _is_ours(moved) else path
+    return moved if not os.path.lexists(path) and is_ours(moved) else path
 
 
-def _is_ours(path: Path) -> bool:
+def is_ours(path: Path) -> bool:
     """Whether ``path`` is a complete checkpoint shardwise published under this very name:
     its ``shardwise.json`` records the name (a user's copy, ``step_00000002.bak`` or
     ``step_best``, records another one). Checkpoints from before the name was recorded
@@ -212,7 +213,7 @@ def _published(root: Path) -> list[Path]:
 
 def complete_steps(root: Path) -> list[Path]:
     """The checkpoints shardwise published in ``root``, oldest step first."""
-    steps = [p for p in _published(root) if _is_ours(p)]
+    steps = [p for p in _published(root) if is_ours(p)]
     return sorted(steps, key=step_of)
 
 
@@ -224,7 +225,7 @@ def candidates(root: Path) -> Iterator[Path]:
     if marked is not None:
         yield marked
     for path in sorted(_published(root), key=step_of, reverse=True):
-        if path != marked and _is_ours(path):
+        if path != marked and is_ours(path):
             yield path
 
 
@@ -244,7 +245,7 @@ def _marked(root: Path) -> Path | None:
         return None
     if _STEP_NAME.fullmatch(name) is not None:
         for path in (root / name, root / (OLD + name)):
-            if _is_ours(path):
+            if is_ours(path):
                 return path
     log.warning("ignoring the marker %s: it names %r, not a complete checkpoint in %s; "
                 "using the newest complete one", marker, name[:40], root)

@@ -166,21 +166,26 @@ def _fit_problems(reader: SafeReader, target: dict[str, Any], partial_optimizer:
             f"[{show(unexpected)}]; shape mismatches [{show(shapes)}]"]
 
 
-def check_tensors(path: Path, bundle: Bundle, optimizer: torch.optim.Optimizer | None
-                  ) -> list[str]:
+def check_tensors(path: Path, bundle: Bundle, optimizer: torch.optim.Optimizer | None,
+                  meta: dict[str, Any] | None = None) -> list[str]:
     """How the checkpoint's tensors (DCP's metadata) differ from the bundle's model and
-    ``optimizer`` in keys and shapes; [] when they fit, or for an engine's own format."""
+    ``optimizer`` in keys and shapes, and (given the record ``meta``) which of this rank's
+    parameters its param groups miss; [] when they fit, or for an engine's own format."""
+    from shardwise.checkpoint.compatibility import uncovered_groups
     from shardwise.checkpoint.safe_reader import SafeReader
 
     engine = bundle.engine
     if engine.own_checkpoint is not None:
         return []
     with _no_gradients(bundle.model, optimizer, keep=False):  # nothing may change yet
-        model_sd, tensors, _ = engine.state_dicts(bundle.model, optimizer)
+        model_sd, tensors, other = engine.state_dicts(bundle.model, optimizer)
         target = {"model": model_sd, "optimizer": tensors}
-        return _fit_problems(SafeReader(path), target,
-                             engine.partial_optimizer or optimizer is None,
-                             _other_stages(bundle, target))
+        problems = _fit_problems(SafeReader(path), target,
+                                 engine.partial_optimizer or optimizer is None,
+                                 _other_stages(bundle, target))
+        if optimizer is not None and meta is not None:
+            problems += uncovered_groups(meta, other)
+        return problems
 
 
 def _other_stages(bundle: Bundle, target: dict[str, Any]) -> frozenset[str]:

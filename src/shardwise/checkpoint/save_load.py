@@ -31,6 +31,7 @@ from shardwise.checkpoint.compatibility import (
     parts_of,
     refusal,
     scheduler_loads,
+    whole_model_groups,
 )
 from shardwise.checkpoint.layout import (
     FORMAT,
@@ -144,6 +145,7 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
         if own is None:
             model_sd, tensors, other = bundle.engine.state_dicts(bundle.model, bundle.optimizer)
             _refuse_code(model_sd)
+            other = whole_model_groups(bundle, other)  # a collective under pipeline stages
         meta = _record(bundle, state, final, own, other)
         dcp_state = {"model": model_sd, "optimizer": tensors}
         if not blocking:
@@ -362,6 +364,10 @@ def load(directory: str | os.PathLike[str], bundle: Bundle, *,
     wait_for_saves()  # a checkpoint being written is published (or failed) first
     directory = Path(directory)
     if name is not None:
+        if (directory / name).is_symlink():
+            raise CheckpointError(f"{directory / name} is a symlink; a named checkpoint is "
+                                  "never followed out of its root (it could load another "
+                                  "run's weights). Load the target by its own path")
         if not (directory / name).is_dir() and not (directory / (OLD + name)).is_dir():
             raise CheckpointError(f"{directory} holds no checkpoint named {name!r} (no "
                                   f"{directory / name})")
@@ -415,7 +421,7 @@ def _checked(path: Path, bundle: Bundle, skipped: frozenset[str]
             raise CheckpointError(f"{path} was written by the {saved} engine, this bundle runs "
                                   f"the {mine} engine; load it into a bundle built the same way")
         problems = check_tensors(path, bundle, None if "optimizer" in skipped
-                                 else bundle.optimizer)
+                                 else bundle.optimizer, meta)
         problems += check_parts(path, meta, bundle, skipped)
         if "scheduler" not in skipped:
             problems += scheduler_loads(bundle, meta.get("scheduler"))

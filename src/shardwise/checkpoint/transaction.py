@@ -18,9 +18,11 @@ Run by the one writer that holds the root's lock (:mod:`shardwise.checkpoint.loc
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 import uuid
@@ -29,10 +31,13 @@ from pathlib import Path
 from shardwise.checkpoint.integrity import MANIFEST, Written, manifest_of
 from shardwise.checkpoint.layout import (
     LATEST,
+    META,
     OLD,
     complete_steps,
     fsync_dir,
+    is_ours,
     is_step_name,
+    read_json,
     step_of,
     write_durably,
 )
@@ -73,6 +78,7 @@ def begin(env: Env, root: Path, tmp: Path, names: str = "*") -> RootLock | None:
             try:
                 lock = acquire(root)
                 recover(root, names)
+                _check_in_the_way(root, tmp.name.removeprefix(TMP))
                 tmp.mkdir()
             except (OSError, CheckpointError) as exc:
                 ok, problem = False, str(exc) if isinstance(exc, CheckpointError) \
@@ -91,30 +97,129 @@ class PublishedError(OSError):
     """A failure after the checkpoint's rename: it is published, what followed is not done."""
 
 
+#: written into a directory being deleted, right after its rename to ``.trash.*``: what
+#: tells the next save's sweep that the directory is shardwise's own
+TRASH_MARK = ".shardwise-trash"
+#: the files a save writes into its hidden ``.tmp.*`` directory (DCP's shards and metadata,
+#: the record, the manifest, the RNG folder, DeepSpeed's folder, each while written too)
+_TMP_FILES = re.compile(r"(__\d+_\d+\.distcp|\.metadata|shardwise\.json|checksums\.json|rng"
+                        r"|deepspeed)(\.tmp)?")
+_TRASH_NAME = re.compile(re.escape(TRASH) + r".+\.[0-9a-f]{8}")
+
+
 def retire(path: Path) -> None:
-    """Delete the directory ``path``: one rename out of the published names, then the files."""
+    """Delete the directory ``path``: one rename out of the published names, marked as
+    shardwise's, then its contents, the mark last (a crash leaves it recognisable)."""
     trash = path.with_name(f"{TRASH}{path.name}.{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    _delete(trash, mark=True)
+
+
+def _delete(trash: Path, *, mark: bool) -> None:
+    mark_file = trash / TRASH_MARK
+    if mark:
+        with contextlib.suppress(OSError):
+            mark_file.touch()
+    for entry in trash.iterdir():
+        if entry.name == TRASH_MARK:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+    with contextlib.suppress(OSError):
+        mark_file.unlink(missing_ok=True)
+        trash.rmdir()
+
+
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _sealed(path: Path) -> bool:
+    """A real directory holding a regular ``checksums.json``: every checkpoint shardwise
+    publishes (``sw.save``'s and the Trainer's) is sealed with one."""
+    manifest = path / MANIFEST
+    return _real_dir(path) and manifest.is_file() and not manifest.is_symlink()
+
+
+def _ours_old(old: Path) -> bool:
+    """``.old.X``: a checkpoint shardwise published as ``X`` and set aside for a re-save."""
+    if not _sealed(old):
+        return False
+    name = old.name.removeprefix(OLD)
+    if not os.path.lexists(old / META):  # the Trainer's: sealed, no record
+        return True
+    try:
+        recorded = read_json(old / META, follow=False).get("name")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return recorded == name or (recorded is None and is_step_name(name))
+
+
+def _ours_tmp(tmp: Path) -> bool:
+    """``.tmp.X``: an interrupted save's directory, holding only what a save writes (or the
+    Trainer's staged ``X`` folder), or nothing yet."""
+    if not _real_dir(tmp):
+        return False
+    inner = tmp.name.removeprefix(TMP)
+    return all(_TMP_FILES.fullmatch(e.name) or (e.name == inner and _real_dir(e))
+               for e in tmp.iterdir())
+
+
+def _ours_trash(trash: Path) -> bool:
+    """``.trash.X.<8 hex>``: a directory :func:`retire` was deleting (its mark, or a seal,
+    or nothing left)."""
+    return _real_dir(trash) and _TRASH_NAME.fullmatch(trash.name) is not None and (
+        (trash / TRASH_MARK).is_file() or _sealed(trash) or not any(trash.iterdir()))
+
+
+def _replaceable(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint shardwise published under its name (a save of the
+    same name may replace it): a record naming it (``sw.save``'s), or, without a record, a
+    seal (the Trainer's ``checkpoint-N``); never a symlink."""
+    if not _real_dir(path):
+        return False
+    if os.path.lexists(path / META):
+        return is_ours(path)
+    return _sealed(path)
+
+
+def _check_in_the_way(root: Path, name: str) -> None:
+    """Refuse to save ``name`` over what shardwise did not write: a user's folder or file
+    called ``name`` (a re-save replaces only a checkpoint of its own), or a ``.old.name``
+    the sweep left as not its own (it would be where the old checkpoint is set aside)."""
+    final, aside = root / name, root / (OLD + name)
+    if os.path.lexists(final) and not _replaceable(final):
+        raise CheckpointError(
+            f"{final} exists and is not a checkpoint shardwise saved under this name (a "
+            "symlink, a file, or a folder without its record and seal); saving would replace "
+            "it. Move it away or save under another name")
+    if os.path.lexists(aside):
+        raise CheckpointError(
+            f"{aside} is in the way: a re-save sets the checkpoint it replaces aside under "
+            "that name, and this one is not shardwise's. Move it away")
 
 
 def recover(root: Path, names: str = "*") -> None:
     """Put back or clear what interrupted saves of checkpoints called ``names`` (a glob) left
-    in ``root`` (the writer's lock held)."""
+    in ``root`` (the writer's lock held). Only what shardwise itself wrote is touched,
+    recognised by its content: a user's own ``.tmp.notes`` or ``.old.data/`` stays."""
     for old in root.glob(OLD + names):
-        if old.is_symlink() or not old.is_dir():  # never one of ours: it would block a re-save
-            old.unlink()
+        if not _ours_old(old):
             continue
         published = old.with_name(old.name.removeprefix(OLD))
         if os.path.lexists(published):
             retire(old)  # the re-save was published: this is the copy it replaced
         else:
             os.rename(old, published)  # killed between the two renames: the old one returns
-    for debris in (*root.glob(TMP + names), *root.glob(TRASH + "*")):
-        if debris.is_dir() and not debris.is_symlink():
+    for debris in root.glob(TMP + names):
+        if _ours_tmp(debris):
             shutil.rmtree(debris, ignore_errors=True)
-        else:
-            debris.unlink(missing_ok=True)
+    for debris in root.glob(TRASH + "*"):
+        if _ours_trash(debris):
+            _delete(debris, mark=False)
     fsync_dir(root)
 
 

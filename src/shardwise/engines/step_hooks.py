@@ -37,6 +37,10 @@ from shardwise.errors import LossError, NonFiniteError
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite, PendingCheck, TrainState
 
+#: the label that marks a token as not learned from (torch's cross_entropy default, and
+#: Transformers' prompt and padding mask)
+IGNORE = -100
+
 __all__ = ["StepHooks", "StepRun", "Micro", "Backward", "WindowEnd", "NoSync", "call_model",
            "forward", "nonfinite_text"]
 
@@ -72,6 +76,9 @@ class StepRun:
     stages: Any = None
     units: dict[torch.device, torch.Tensor] = attrs.Factory(dict)
     phase: str = ""
+    #: the labelled tokens (labels other than -100) of this rank's batches in the window so
+    #: far, when the model computes its own (mean) loss; read only to explain a failed step
+    labelled: torch.Tensor | None = None
 
     @property
     def window(self) -> int:
@@ -175,7 +182,39 @@ def forward(run: StepRun, batch: Any) -> tuple[torch.Tensor, Any]:
         if isinstance(result, tuple):
             return _sum_and_count(result)
         return _loss_of(result), None
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, torch.Tensor):  # a device reduction, never read unless it fails
+        count = (labels != IGNORE).sum()
+        run.labelled = count if run.labelled is None else run.labelled + count
     return _loss_of(call_model(run.model, batch)), None
+
+
+def window_count(run: StepRun, total: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
+    """The window's item count for :func:`no_items_text` (the weighted total, reduced over
+    the ranks already; else the labelled tokens the model's own loss saw on this rank), and
+    whether it still needs reducing; the model-loss count starts again."""
+    labelled, run.labelled = run.labelled, None
+    if total is not None:
+        return total, False
+    return labelled, run.synced > 1
+
+
+def no_items_text(step: int, micro: int, total: torch.Tensor | None,
+                  reduce: bool = False) -> str | None:
+    """When the window's item count (over every rank) is zero, why the step is not finite,
+    in words the same on every layout: every label of it is -100, so its loss is 0/0 (the
+    learning rate is not the cause); else None. A host read (and, with ``reduce``, a
+    collective every rank reaches: they agreed the step failed), made only once it failed."""
+    if total is None:
+        return None
+    if reduce:
+        total = total.clone()
+        dist.all_reduce(total)
+    if bool(total.item() != 0):
+        return None
+    return (f"optimizer step {step} (micro-step {micro}): its window holds no labelled token "
+            "on any rank (every label is -100, or every item masked), so its loss is a sum "
+            "over nothing divided by 0 and its gradients are not finite; ")
 
 
 def nonfinite_text(step: int, micro: int) -> str:
@@ -254,6 +293,7 @@ class StepHooks:
         """
         optimizer, scaler = run.optimizer, run.scaler
         stepping = self.stepping_optimizer(optimizer)
+        count, reduce = window_count(run, done.total)
         if scaler is not None:
             scaler.unscale_(stepping)
         if done.total is not None:
@@ -278,7 +318,8 @@ class StepHooks:
             if run.scheduler is not None:
                 run.scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            return WindowEnd(norm, False, defer(flag, state.step + 1, state.micro_step + 1))
+            return WindowEnd(norm, False, defer(flag, state.step + 1, state.micro_step + 1,
+                                                count, reduce))
         finite = flag.item() == 0
         if scaler is not None:  # fp16: the scaler's skip, never an error
             if finite:
@@ -288,9 +329,14 @@ class StepHooks:
             stepping.step()
         elif micro.on_nonfinite == "raise":
             optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(nonfinite_text(state.step + 1, state.micro_step + 1)
-                                 + "nothing was applied. Pass on_nonfinite='skip' to skip such "
-                                 "steps, or lower the learning rate / add clip_gradients")
+            empty = no_items_text(state.step + 1, state.micro_step + 1, count, reduce)
+            raise NonFiniteError(
+                empty + "nothing was applied. Check the labels and masks of these batches (a "
+                "prompt mask or truncation can hide every token), or pass on_nonfinite='skip' "
+                "to skip such steps" if empty is not None else
+                nonfinite_text(state.step + 1, state.micro_step + 1) + "nothing was applied. "
+                "Pass on_nonfinite='skip' to skip such steps, or lower the learning rate / add "
+                "clip_gradients")
         if finite and run.scheduler is not None:
             run.scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -238,6 +238,12 @@ class PipelineParallel(Transform):
             raise ConflictError(f"{self!r}: an nn.Sequential has no loss of its own; pass "
                                 "pipeline_parallel(loss=lambda output, target: ...)")
         self._check_schedule(size, self.microbatch_count(env))
+        batch_size = _loader_batch_size(bundle.loader)
+        if batch_size is not None and self.microbatch_count(env) > batch_size:
+            raise ArgumentError(f"{self!r}: {self.microbatch_count(env)} microbatches for the "
+                                f"loader's batches of {batch_size} samples: each microbatch needs "
+                                f"a sample; microbatches must be at most the batch size "
+                                f"({batch_size})")
         rank = int(mesh["pp"].get_local_rank())
         mine = stages_on(self.schedule, rank, size, self.per_rank)
         _check_tied(model, split, self.schedule, size, self.per_rank)
@@ -252,7 +258,7 @@ class PipelineParallel(Transform):
                           schedule=self.schedule, microbatches=self.microbatch_count(env),
                           stages=mine, modules=stage_modules(model, split, mine),
                           total=split.stages, kind=split.kind, loss=self.loss,
-                          device=env.device, group_sizes=groups)
+                          device=env.device, group_sizes=groups, batch_size=batch_size)
         return attrs.evolve(bundle, mesh=mesh, stages=run)
 
     def describe(self, env: Env) -> str:
@@ -302,3 +308,10 @@ def _keep_held(optimizer: Any, model: nn.Module) -> None:
 
 #: the public factory: the class itself, so its defaults are written once
 pipeline_parallel = PipelineParallel
+
+
+def _loader_batch_size(loader: Any) -> int | None:
+    """The samples in each batch of ``loader`` (a DataLoader's, or one shardwise wraps), if
+    it says."""
+    size = getattr(getattr(loader, "loader", loader), "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None

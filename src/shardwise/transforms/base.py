@@ -48,6 +48,9 @@ class Transform:
     """Base of all transforms: a frozen record with settings, called as ``t(bundle) -> Bundle``."""
 
     stage: ClassVar[Stage]
+    #: whether it decides how the model is spread over the ranks or kept in step across
+    #: them (a layout of its own: the lifecycle tests must cover it)
+    distributes: ClassVar[bool] = False
 
     def __call__(self, bundle: Bundle) -> Bundle:
         """Apply this transform: a new bundle (the torch objects inside may change in place)."""
@@ -120,6 +123,7 @@ class Distribution(Transform):
     """Base of the distribution transforms: each puts one engine in the bundle."""
 
     stage: ClassVar[Stage] = Stage.DISTRIBUTION
+    distributes: ClassVar[bool] = True
 
     def engine(self, env: Env, plan: Plan) -> Engine:
         """The engine this transform puts in the bundle under ``env`` and ``plan``, as

@@ -77,6 +77,7 @@ class ContextParallel(Transform):
     method: Method = attrs.field(default="ulysses", kw_only=True, validator=_method)
     stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
     factory_name: ClassVar[str] = "context_parallel"
+    distributes: ClassVar[bool] = True
 
     def mesh_dims(self) -> dict[str, int | None]:
         return {"cp": self.size}

@@ -31,6 +31,7 @@ class ShardOptimizer(Transform):
 
     stage: ClassVar[Stage] = Stage.OPTIMIZER
     factory_name: ClassVar[str] = "shard_optimizer"
+    distributes: ClassVar[bool] = True
 
     def excludes(self) -> dict[str, str]:
         return {"shard": "shard() already shards optimizer state; use shard_optimizer() with "

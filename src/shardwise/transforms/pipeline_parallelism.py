@@ -121,6 +121,7 @@ class PipelineParallel(Transform):
                                                          validator=_loss)
     stage: ClassVar[Stage] = Stage.PIPELINE_PARALLEL
     factory_name: ClassVar[str] = "pipeline_parallel"
+    distributes: ClassVar[bool] = True
 
     def __attrs_post_init__(self) -> None:
         per = self.stages_per_rank

@@ -46,6 +46,7 @@ class LocalSGD(Transform):
     every: int = attrs.field(validator=integer_at_least_one)
     stage: ClassVar[Stage] = Stage.SETTINGS
     factory_name: ClassVar[str] = "local_sgd"
+    distributes: ClassVar[bool] = True
 
     def needs(self) -> dict[str, str]:
         return {"replicate": "local SGD averages DDP replicas; add sw.replicate() to the "

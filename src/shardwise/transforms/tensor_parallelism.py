@@ -116,6 +116,7 @@ class TensorParallel(Transform):
     size: int | None = attrs.field(default=None, kw_only=True, validator=_size)
     stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
     factory_name: ClassVar[str] = "tensor_parallel"
+    distributes: ClassVar[bool] = True
 
     def mesh_dims(self) -> dict[str, int | None]:
         return {"tp": self.size}

@@ -105,6 +105,51 @@ class _Tracked:
         return getattr(self.loader, name)
 
 
+#: what the Trainer's accelerator refuses by name, and which feature would need it
+REFUSED = {
+    "deepspeed_ulysses_dl_adapter": "DeepSpeed's Ulysses sequence parallelism "
+    "(parallelism_config sp_backend='deepspeed') is not run by the Trainer on shardwise; use "
+    "sw.context_parallel() in a loop of your own",
+    "save_state": "Accelerate's own checkpoint format is not written by shardwise; the Trainer "
+    "saves its checkpoints itself (as transactions), and sw.save writes shardwise's",
+    "load_state": "Accelerate's own checkpoint format is not read by shardwise; resume with "
+    "trainer.train(resume_from_checkpoint=...)",
+    "accumulate": "the Trainer runs its own accumulation windows; a loop of your own uses "
+    "sw.accumulate_gradients(n)",
+}
+
+
+def _accelerate_precision(precision: str | None) -> str:
+    return {"bf16": "bf16", "fp16": "fp16"}.get(precision or "", "no")
+
+
+def _bridge_accelerate_state(env: Any, precision: str | None) -> None:
+    """Accelerate's ``AcceleratorState`` initialised as state only, from the process group
+    TrainingArguments started (its ``PartialState``) and the pipeline's precision, with no
+    plugin: TRL calls ``accelerate.utils`` helpers (``gather_object``,
+    ``broadcast_object_list``) that ask it, and nothing of Accelerate decides placement,
+    precision or wrapping (no ``Accelerator`` is built, nothing is prepared by it)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import TorchDynamoPlugin
+
+    if not PartialState._shared_state:
+        PartialState(cpu=env.device.type == "cpu")
+    wanted = _accelerate_precision(precision)
+    if not AcceleratorState._shared_state:
+        AcceleratorState(mixed_precision=wanted, cpu=env.device.type == "cpu",
+                         dynamo_plugin=TorchDynamoPlugin(backend="no"), _from_accelerator=True)
+    AcceleratorState._shared_state["_mixed_precision"] = wanted
+
+
+def _dataloader_config() -> Any:
+    """Accelerate's ``DataLoaderConfiguration`` saying what shardwise's loaders do: every
+    rank reads its own whole batches (no dispatch from rank 0, no split of one batch)."""
+    from accelerate.utils import DataLoaderConfiguration
+
+    return DataLoaderConfiguration(split_batches=False, dispatch_batches=False,
+                                   even_batches=True)
+
+
 def _distributed_type(pipe: Pipeline) -> Any:
     from accelerate.utils import DistributedType
 
@@ -143,6 +188,8 @@ class ShardwiseAccelerator:
         self.plan = plan_of(pipe.transforms)
         # TrainingArguments started the group (Accelerate's PartialState) and leave it standing
         leave_at_exit()
+        _bridge_accelerate_state(self.env, self.plan.precision)
+        self.dataloader_config = _dataloader_config()
 
     # -- what the Trainer reads --------------------------------------------------------------
 
@@ -183,13 +230,78 @@ class ShardwiseAccelerator:
         """Never: no loss scaler runs under the Trainer on shardwise (fp16 is refused)."""
         return False
 
+    @property
+    def mixed_precision(self) -> str:
+        """The pipeline's precision in Accelerate's words ("no", "bf16", "fp16")."""
+        return _accelerate_precision(self.state.mixed_precision)
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """The prepared bundle's device mesh (None before, or without one)."""
+        return None if self.bundle is None else self.bundle.mesh
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        if name in REFUSED:
+            raise AttributeError(f"the Trainer's accelerator was asked for {name!r} (by the "
+                                 f"Trainer, TRL or your script): {REFUSED[name]}")
         raise AttributeError(
-            f"the Trainer asked its accelerator for {name!r}, which shardwise's accelerator "
-            "does not provide; this Transformers release uses more of Accelerate than the "
-            "tested ones (see docs/training-args.md, 'Your Trainer on shardwise')")
+            f"the Trainer's accelerator was asked for {name!r} (by the Trainer, TRL or your "
+            "script), which shardwise's accelerator does not provide; it answers what the "
+            "tested Transformers, TRL and PEFT releases ask (see docs/training-args.md, 'Your "
+            "Trainer on shardwise')")
+
+    # -- what TRL and scripts call -------------------------------------------------------------
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on each node's main process only (Accelerate's)."""
+        if self.env.local_rank == 0:
+            print(*args, **kwargs)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Every tensor in ``tensor`` (a nest of them) summed, or averaged (``"mean"``),
+        over the ranks, times ``scale`` (Accelerate's ``reduce``); a new tensor."""
+        if reduction not in ("sum", "mean", "none"):
+            raise ArgumentError(f"reduce() 'reduction' must be 'sum', 'mean' or 'none' (got "
+                                f"{reduction!r})")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+
+        def one(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            out = value.clone()
+            if world > 1 and reduction != "none":
+                dist.all_reduce(out)
+                if reduction == "mean":
+                    out /= world
+            return out * scale if scale != 1.0 else out
+
+        from torch.utils._pytree import tree_map
+
+        return tree_map(one, tensor)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False
+                                ) -> Iterator[Any]:
+        """This rank's share of ``inputs`` (a list, tuple, dict of them or tensor), as
+        Accelerate splits it: contiguous parts, the first ranks one longer; with
+        ``apply_padding`` the last item repeated so every rank gets as many."""
+        from accelerate.state import PartialState
+
+        with PartialState().split_between_processes(inputs, apply_padding=apply_padding) as part:
+            yield part
+
+    def maybe_context_parallel(self, buffers: Any = None, buffer_seq_dims: Any = None,
+                               no_restore_buffers: Any = None
+                               ) -> contextlib.AbstractContextManager[Any]:
+        """No sequence split: the Trainer on shardwise runs no context-parallel layout
+        (``context_parallel`` is refused when the model is prepared)."""
+        return contextlib.nullcontext()
+
+    def clear(self, *objects: Any) -> list[Any]:
+        """Accelerate's alias of :meth:`free_memory`."""
+        return self.free_memory(*objects)
 
     # -- prepare -----------------------------------------------------------------------------
 
@@ -241,6 +353,7 @@ class ShardwiseAccelerator:
                                       "on shardwise is not supported yet")
         self.bundle = bundle
         self.state = attrs.evolve(self.state, mixed_precision=bundle.plan.precision)
+        _bridge_accelerate_state(self.env, bundle.plan.precision)
         self._models.append(bundle.model)
         return bundle
 

@@ -52,7 +52,7 @@ PUBLIC: dict[str, str] = {
     **dict.fromkeys(["context_parallel"], "shardwise.transforms.context_parallelism"),
     **dict.fromkeys(["deepspeed"], "shardwise.deepspeed_engine.transform"),
     **dict.fromkeys(["distribute_data"], "shardwise.transforms.data_distribution"),
-    **dict.fromkeys(["local_sgd"], "shardwise.transforms.replica_averaging"),
+    **dict.fromkeys(["local_sgd", "average_replicas"], "shardwise.transforms.replica_averaging"),
     **dict.fromkeys(["mixed_precision"], "shardwise.transforms.precision_policy"),
     **dict.fromkeys(["offload"], "shardwise.transforms.offloading"),
     **dict.fromkeys(["pipeline_parallel"], "shardwise.transforms.pipeline_parallelism"),

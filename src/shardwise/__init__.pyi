@@ -57,6 +57,7 @@ from shardwise.transforms.optimizer_sharding import shard_optimizer as shard_opt
 from shardwise.transforms.pipeline_parallelism import pipeline_parallel as pipeline_parallel
 from shardwise.transforms.placement import place as place
 from shardwise.transforms.precision_policy import mixed_precision as mixed_precision
+from shardwise.transforms.replica_averaging import average_replicas as average_replicas
 from shardwise.transforms.replica_averaging import local_sgd as local_sgd
 from shardwise.transforms.replication import replicate as replicate
 from shardwise.transforms.sharding import shard as shard
@@ -85,6 +86,7 @@ __all__ = [
     "__version__",
     "accumulate_gradients",
     "auto",
+    "average_replicas",
     "by_class",
     "by_size",
     "checkpoint_activations",

@@ -128,3 +128,83 @@ def test_in_one_process_local_sgd_changes_nothing():
 
     plain, local = run(), run(sw.local_sgd(every=EVERY))
     assert all(torch.equal(plain[k], local[k]) for k in plain)
+
+
+class Pairs(torch.utils.data.Dataset):
+    """20 (x, y) samples: 5 batches of 2 per rank an epoch on 2 ranks."""
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(7)
+        self.x, self.y = torch.randn(20, 8, generator=generator), torch.randn(20, 1, generator=generator)
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def epochs_on_accelerate():
+    """Accelerate's LocalSGD as its docs use it: a context per epoch, which averages the
+    parameters when it exits (no average within: 100 steps between)."""
+    from accelerate import Accelerator
+    from accelerate.local_sgd import LocalSGD
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = TinyMLP()
+    model, optimizer, loader = accelerator.prepare(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+        torch.utils.data.DataLoader(Pairs(), batch_size=2))
+    ends = []
+    for _ in range(2):
+        with LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=100,
+                      enabled=True) as local:
+            for x, y in loader:
+                accelerator.backward(model(x, y))
+                optimizer.step()
+                optimizer.zero_grad()
+                local.step()
+        ends.append(snapshot(accelerator.unwrap_model(model)))
+    return ends
+
+
+def epochs_on_shardwise():
+    """The same over bundle.loader: each epoch's end averages; then sw.average_replicas
+    averages between two ends, on demand."""
+    env = sw.detect()
+    torch.manual_seed(0)
+    model = TinyMLP()
+    bundle = sw.pipeline(env, sw.replicate(), sw.local_sgd(every=100),
+                         sw.distribute_data(split="batches"))(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+        torch.utils.data.DataLoader(Pairs(), batch_size=2))
+    state, ends = bundle.init(), []
+    for _ in range(2):
+        for batch in bundle.loader:
+            state, _ = bundle.step(state, batch)
+        ends.append(snapshot(bundle.engine.unwrap(bundle.model)))
+    for batch in list(bundle.loader)[:2]:  # two steps more: the replicas drift apart
+        state, _ = bundle.step(state, batch)
+    drifted = snapshot(bundle.engine.unwrap(bundle.model))
+    probe = (torch.ones(3, 8), torch.zeros(3, 1))
+    before = bundle.predict(probe)
+    sw.average_replicas(bundle)
+    return ends, drifted, snapshot(bundle.engine.unwrap(bundle.model)), before, \
+        bundle.predict(probe)
+
+
+def test_each_epoch_end_averages_as_accelerates_local_sgd_context_and_on_demand():
+    theirs = run_distributed(epochs_on_accelerate, world_size=2, timeout=180)
+    ours = run_distributed(epochs_on_shardwise, world_size=2, timeout=180)
+    for rank in (0, 1):
+        for epoch in (0, 1):
+            for name, value in theirs[rank][epoch].items():
+                torch.testing.assert_close(ours[rank][0][epoch][name], value, rtol=0, atol=1e-7)
+    ends = [ours[0][0][1], ours[1][0][1]]
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])  # one model at epoch end
+    drifted, averaged = [r[1] for r in ours], [r[2] for r in ours]
+    assert any(not torch.equal(drifted[0][k], drifted[1][k]) for k in drifted[0])
+    assert all(torch.equal(averaged[0][k], averaged[1][k]) for k in averaged[0])
+    assert not torch.equal(ours[0][3], ours[1][3])  # two models predicted differently
+    assert torch.equal(ours[0][4], ours[1][4])  # after average_replicas: one

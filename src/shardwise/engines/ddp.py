@@ -101,7 +101,9 @@ class DDPEngine(Engine):
     def end_window(self, run: StepRun, state: TrainState, done: Backward, micro: Micro
                    ) -> WindowEnd:
         end = super().end_window(run, state, done, micro)
-        if self.local_sgd_every and (state.step + 1) % self.local_sgd_every == 0:
+        # every k-th step, and at the end of an epoch (Accelerate's LocalSGD, leaving its context)
+        if self.local_sgd_every and ((state.step + 1) % self.local_sgd_every == 0
+                                     or micro.epoch_end):
             run.phase = "averaging the replicas' parameters (local SGD)"
             self.synchronise_replicas(run.model, None)
         return end

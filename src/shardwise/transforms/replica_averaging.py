@@ -13,7 +13,7 @@ from shardwise.plan import Plan
 from shardwise.transforms._checks import integer_at_least_one
 from shardwise.transforms.base import Stage, Transform
 
-__all__ = ["LocalSGD", "local_sgd"]
+__all__ = ["LocalSGD", "local_sgd", "average_replicas"]
 
 
 @attrs.frozen(repr=False)
@@ -25,7 +25,10 @@ class LocalSGD(Transform):
     loss is normalised by this rank's items, the finiteness check and clipping see this
     rank's gradients, and each rank's optimizer keeps its own state. At every ``every``-th
     optimizer step (counted over the run, so a resumed run averages where the uninterrupted
-    one did) the parameters are averaged over the ranks in one all-reduce per dtype.
+    one did) the parameters are averaged over the ranks in one all-reduce per dtype, and at
+    the end of each epoch of ``bundle.loader`` (as Accelerate's ``LocalSGD`` averages when
+    its context, which wraps an epoch in its example, exits); :func:`average_replicas` does
+    it on demand (before evaluating in a loop of your own).
     ``sw.save``, ``sw.export`` and the end of ``sw.fit`` are synchronisation points too:
     parameters and optimizer state are averaged there, so a checkpoint is the one state every
     rank resumes from. Accelerate's ``LocalSGD`` counts its ``step()`` calls (one per batch
@@ -72,3 +75,20 @@ class LocalSGD(Transform):
 
 #: the public factory: the class itself, so its defaults are written once
 local_sgd = LocalSGD
+
+
+def average_replicas(bundle: Bundle, *, optimizer_state: bool = False) -> None:
+    """Average the replicas that :func:`local_sgd` lets drift apart, now: the parameters (and
+    with ``optimizer_state`` the optimizer's state too), over every rank. Every rank must
+    call it (a collective); under any other layout it does nothing.
+
+    Call it before evaluating or predicting in a loop of your own between averages, so every
+    rank evaluates one model; ``sw.save``, ``sw.export``, the end of an epoch of
+    ``bundle.loader`` and the end of ``sw.fit`` do it already.
+
+    Example:
+        >>> sw.average_replicas(bundle)
+        >>> metrics = sw.evaluate(bundle)
+    """
+    bundle.engine.synchronise_replicas(bundle.model,
+                                       bundle.optimizer if optimizer_state else None)

@@ -173,9 +173,11 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
 
     def record(metrics: Mapping[str, float]) -> None:
         line = f"step {boundary.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-        if bar is not None:  # shown whatever the logging configuration, above the bar
+        # once, on the main rank: above the bar when there is one, else through logging
+        if bar is not None:
             bar.write(line)
-        log.info(line)
+        elif env.is_main:
+            log.info(line)
         for logger in loggers:
             logger.log(metrics, boundary.step)
 

@@ -135,7 +135,10 @@ class Meter:
         local = torch.tensor([self.samples, self.tokens, float(self.counted)],
                              dtype=torch.float64, device=device)
         total = reduce(local, op="sum").tolist()
-        elapsed = max(time.perf_counter() - self.start - self.away, 1e-9)
+        # the job's time is its slowest rank's: every rank reports the same rates
+        mine = torch.tensor(time.perf_counter() - self.start - self.away, dtype=torch.float64,
+                            device=device)
+        elapsed = max(float(reduce(mine, op="max")), 1e-9)
         ranks = self.env.world_size if self.env.is_distributed else 1
         samples, tokens = total[0] / self.copies, total[1] / self.copies
         out = {"samples_per_s": samples / elapsed}

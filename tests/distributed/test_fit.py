@@ -109,3 +109,43 @@ def test_fit_on_an_empty_loader_says_so():
                                               drop_last=True))
     with pytest.raises(ValueError, match="yielded no batch in an epoch"):
         sw.fit(bundle, steps=5, progress=False)
+
+
+def logged_lines():
+    """sw.fit with Python logging at INFO (as Transformers' scripts set it), without and with
+    the progress bar; and the rates two ranks of different speeds compute."""
+    import logging
+    import time
+
+    from shardwise.throughput import Meter
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("shardwise").addHandler(keep)
+    logging.getLogger("shardwise").setLevel(logging.INFO)
+    out = {}
+    for progress in (False, True):
+        keep.lines.clear()
+        sw.fit(build_lm([sw.replicate()]), steps=4, log_every=2, progress=progress)
+        out[progress] = [line for line in keep.lines if line.startswith("step ")]
+    env = sw.detect()
+    meter = Meter(torch.nn.Linear(2, 2), env, 1, None)
+    meter.add(4, None)
+    time.sleep(0.05 + 0.1 * env.rank)
+    out["rates"] = meter.rates()["samples_per_s"]
+    return out
+
+
+def test_fit_logs_each_line_once_and_every_rank_reports_the_same_rates():
+    runs = run_distributed(logged_lines, timeout=300)
+    assert [line.split(":")[0] for line in runs[0][False]] == ["step 2", "step 4"]
+    assert runs[0][True] == []  # above the bar instead, not twice
+    assert runs[1][False] == [] and runs[1][True] == []
+    assert runs[0]["rates"] == runs[1]["rates"] < 8 / 0.15  # the slowest rank's time

@@ -270,7 +270,15 @@ class DeviceLoader:
                 generator.manual_seed((self._generator_seed + self.sampler.seed * 1_000_003
                                        + self.epoch) % 2**63)
         device, non_blocking = self.device, self.non_blocking
-        for batch in self.loader:
+        # a loader on torch's global generator draws its base seed from it when an epoch's
+        # iteration starts; the uninterrupted run drew it before the checkpoint it resumes
+        # from was saved, so a resumed epoch must not draw it again (dropout would shift)
+        resumed = self._base != (0, 0) and getattr(self.loader, "generator", 0) is None
+        before = torch.get_rng_state() if resumed else None
+        iterator = iter(self.loader)
+        if before is not None:
+            torch.set_rng_state(before)
+        for batch in iterator:
             if self._move:
                 batch = to_device(batch, device, non_blocking=non_blocking)
             self.batch_in_epoch += 1

@@ -190,3 +190,37 @@ def test_a_loader_draws_from_the_global_stream_only_when_asked(global_seed):
     torch.manual_seed(0)
     untouched = torch.rand(1)
     assert torch.equal(after, untouched) is not global_seed
+
+
+def test_the_epoch_order_is_accelerates_seedable_sampler_with_the_same_seed():
+    """docs/migrating-from-accelerate.md: distribute_data(seed=S) reads each epoch in the
+    order of Accelerate's SeedableRandomSampler(data_seed=S) (use_seedable_sampler=True)."""
+    pytest.importorskip("accelerate")
+    from accelerate.data_loader import SeedableRandomSampler
+
+    data = torch.arange(20)
+    loader = sw.pipeline(sw.Env(), sw.distribute_data(seed=7))(
+        torch.nn.Linear(1, 1), None, torch.utils.data.DataLoader(data, batch_size=1, shuffle=True)
+    ).loader
+    for epoch in range(3):
+        ours = [int(batch) for batch in loader]
+        theirs = SeedableRandomSampler(data_source=data, data_seed=7)
+        theirs.set_epoch(epoch)
+        assert ours == list(theirs), epoch
+
+
+def test_leaving_an_epoch_early_starts_the_next_and_set_epoch_repeats_one():
+    """docs/migrating-from-accelerate.md: after a break the next loop is the next epoch's
+    order (Accelerate's loader would replay the same epoch); set_epoch(e) repeats epoch e."""
+    data = torch.arange(12)
+    loader = sw.pipeline(sw.Env(), sw.distribute_data(seed=3))(
+        torch.nn.Linear(1, 1), None, torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    ).loader
+    first = [batch.tolist() for batch in loader]
+    for batch in loader:  # epoch 1, left after one batch
+        left = batch.tolist()
+        break
+    assert loader.epoch == 1 and left != first[0]
+    assert [batch.tolist() for batch in loader] != first  # epoch 2: another order
+    loader.set_epoch(0)
+    assert [batch.tolist() for batch in loader] == first

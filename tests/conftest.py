@@ -51,6 +51,19 @@ class Prompts(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i], "attention_mask": self.mask[i]}
 
 
+def llama(layers=4, tied=False):
+    """A tiny Transformers Llama (random init, offline): 64 tokens, hidden 32, 4 heads over
+    2 key-value heads, SDPA attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, attn_implementation="sdpa",
+                         tie_word_embeddings=tied)
+    return LlamaForCausalLM(config)
+
+
 def masked_micro_batches(count=3, size=2, seq=10, vocab=32, seed=0):
     """``count`` token micro-batches whose labels are masked unevenly (different item counts)."""
     gen = torch.Generator().manual_seed(seed)

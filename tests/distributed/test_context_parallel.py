@@ -13,6 +13,7 @@ from shardwise.errors import ConflictError
 from shardwise.testing import full_state, max_param_diff, run_distributed
 
 from conftest import Prompts
+from conftest import llama as shared_llama
 
 pytest.importorskip("transformers")
 
@@ -23,13 +24,7 @@ SEQ = 16
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32, attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
+    return shared_llama(layers=2)
 
 
 class Attention(torch.nn.Module):

@@ -32,6 +32,7 @@ from shardwise.errors import CheckpointError, RankFailedError
 from shardwise.testing import max_param_diff, run_distributed
 
 from conftest import Prompts as SharedPrompts
+from conftest import llama
 
 pytest.importorskip("transformers")
 
@@ -79,16 +80,6 @@ class Prompts(SharedPrompts):
 
     def __init__(self):
         super().__init__(size=32, seq=8, prompt=4, pad=3)
-
-
-def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32, attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
 
 
 def token_sum(model, batch):

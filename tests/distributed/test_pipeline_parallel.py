@@ -13,6 +13,7 @@ from shardwise.errors import ArgumentError, ConflictError, NonFiniteError
 from shardwise.testing import full_state, max_param_diff, run_distributed
 
 from conftest import Prompts as SharedPrompts
+from conftest import llama
 
 pytest.importorskip("transformers")
 
@@ -29,17 +30,6 @@ class Prompts(SharedPrompts):
 
     def __init__(self, size=32):
         super().__init__(size=size, seq=SEQ, prompt=4, pad=3)
-
-
-def llama(layers=4, tied=False):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32, attn_implementation="sdpa",
-                         tie_word_embeddings=tied)
-    return LlamaForCausalLM(config)
 
 
 def token_sum(model, batch):

@@ -150,6 +150,33 @@ def _dataloader_config() -> Any:
                                    even_batches=True)
 
 
+def _foreign_sampler(loader: DataLoader) -> bool:
+    """Whether ``loader`` draws from a sampler of a trainer's own (TRL's ``RepeatSampler``,
+    which repeats each prompt for its generations), which shardwise's split cannot rebuild."""
+    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+
+    return loader.batch_size is not None and not isinstance(
+        loader.sampler, (RandomSampler, SequentialSampler, DistributedSampler))
+
+
+def _split_as_accelerate(loader: DataLoader, env: Any, plan: Any) -> DeviceLoader:
+    """``loader``'s own batches dealt to the data ranks in turn by Accelerate's
+    ``BatchSamplerShard`` (the split the Trainer on Accelerate gives it: whole batches,
+    every rank's last one full), its sampler kept as the trainer built it. Such a loader
+    resumes at epoch ends only (its order is the sampler's own)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    mesh = DistributeData.mesh(env, plan)
+    shares, share = (mesh.data_ranks(env.world_size), mesh.data_rank(env.rank)) \
+        if mesh is not None else (env.world_size, env.rank)
+    batches = BatchSamplerShard(loader.batch_sampler, num_processes=shares,
+                                process_index=share, split_batches=False, even_batches=True)
+    split = DataLoader(loader.dataset, batch_sampler=batches, num_workers=loader.num_workers,
+                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn)
+    return DeviceLoader(split, env.device)
+
+
 def _distributed_type(pipe: Pipeline) -> Any:
     from accelerate.utils import DistributedType
 
@@ -362,6 +389,8 @@ class ShardwiseAccelerator:
         iteration drawing its seed from torch's global stream as Accelerate's does (so
         dropout draws the same numbers), over the pipeline's data ranks."""
         data, env = self.data, self.env
+        if _foreign_sampler(loader) and env.is_distributed:
+            return _Tracked(_split_as_accelerate(loader, env, self.plan), self)
         sharded = data(Bundle(model=nn.Identity(), loader=loader, env=env, plan=self.plan)).loader
         assert isinstance(sharded, DeviceLoader)
         return _Tracked(sharded, self)

@@ -655,3 +655,51 @@ def test_trls_accelerate_helpers_and_scripts_last_lines_work_on_shardwise(tmp_pa
         assert got["printed"] == ("saving the model\n" if rank == 0 else "")
         assert "Ulysses sequence parallelism" in got["refused"]
     LlamaForCausalLM.from_pretrained(tmp_path / "final")
+
+
+def length_reward(completions, **kwargs):
+    """A reward function of TRL's form: longer completions score more."""
+    return [len(completion) / 10.0 for completion in completions]
+
+
+def online(on_shardwise, output_dir):
+    """TRL's GRPO and RLOO trainers, generating with transformers' generate and scoring with
+    a reward function: each one's log history."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    prompts = [" ".join(f"t{(i * 7 + j) % 60}" for j in range(3)) for i in range(8)]
+    out = {}
+    for name, cls, config in (("grpo", GRPOTrainer, GRPOConfig), ("rloo", RLOOTrainer, RLOOConfig)):
+        args = config(output_dir=f"{output_dir}/{name}", per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, num_train_epochs=1,
+                      learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[],
+                      use_cpu=True, ddp_backend="gloo", seed=7, disable_tqdm=True,
+                      beta=0.0)  # no reference model (it would be loaded from a hub name)
+        model = tiny_llama()
+        model.generation_config.pad_token_id = VOCAB - 2
+        trainer = (sw.on_shardwise(cls) if on_shardwise else cls)(
+            model=model, reward_funcs=[length_reward], args=args,
+            train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+            processing_class=word_tokenizer())
+        trainer.train()
+        out[name] = [{k: v for k, v in log.items() if k not in ("step_time", "train_runtime")
+                      and not k.endswith("_per_second")} for log in trainer.state.log_history]
+    return out
+
+
+def test_trls_grpo_and_rloo_trainers_run_on_shardwise_and_log_what_they_log_on_accelerate(
+        tmp_path):
+    """Their prompts repeated for the generations by TRL's RepeatSampler, split as Accelerate
+    splits them (its BatchSamplerShard): every logged value, loss, rewards, grad_norm and
+    learning_rate included, within 1e-5 at every logging step."""
+    pytest.importorskip("trl")
+    theirs = run_distributed(online, False, str(tmp_path / "accelerate"), timeout=400)[0]
+    ours = run_distributed(online, True, str(tmp_path / "shardwise"), timeout=400)[0]
+    for name in ("grpo", "rloo"):
+        assert len(ours[name]) == len(theirs[name]) >= 4, name
+        for mine, log in zip(ours[name], theirs[name], strict=True):
+            assert mine.keys() == log.keys(), name
+            for key, value in log.items():
+                assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, key)
+        assert {"loss", "reward", "grad_norm", "learning_rate"} <= theirs[name][0].keys()

@@ -32,6 +32,14 @@ from shardwise.distributed import leave_at_exit
 from shardwise.errors import ArgumentError
 from shardwise.metrics import gather_for_metrics
 from shardwise.pipelines import Pipeline
+from shardwise.trainer_accelerate import (
+    REFUSED,
+    accelerate_precision,
+    bridge_accelerate_state,
+    dataloader_config,
+    foreign_sampler,
+    split_as_accelerate,
+)
 from shardwise.transforms.base import plan_of
 from shardwise.transforms.data_distribution import DistributeData
 
@@ -105,78 +113,6 @@ class _Tracked:
         return getattr(self.loader, name)
 
 
-#: what the Trainer's accelerator refuses by name, and which feature would need it
-REFUSED = {
-    "deepspeed_ulysses_dl_adapter": "DeepSpeed's Ulysses sequence parallelism "
-    "(parallelism_config sp_backend='deepspeed') is not run by the Trainer on shardwise; use "
-    "sw.context_parallel() in a loop of your own",
-    "save_state": "Accelerate's own checkpoint format is not written by shardwise; the Trainer "
-    "saves its checkpoints itself (as transactions), and sw.save writes shardwise's",
-    "load_state": "Accelerate's own checkpoint format is not read by shardwise; resume with "
-    "trainer.train(resume_from_checkpoint=...)",
-    "accumulate": "the Trainer runs its own accumulation windows; a loop of your own uses "
-    "sw.accumulate_gradients(n)",
-}
-
-
-def _accelerate_precision(precision: str | None) -> str:
-    return {"bf16": "bf16", "fp16": "fp16"}.get(precision or "", "no")
-
-
-def _bridge_accelerate_state(env: Any, precision: str | None) -> None:
-    """Accelerate's ``AcceleratorState`` initialised as state only, from the process group
-    TrainingArguments started (its ``PartialState``) and the pipeline's precision, with no
-    plugin: TRL calls ``accelerate.utils`` helpers (``gather_object``,
-    ``broadcast_object_list``) that ask it, and nothing of Accelerate decides placement,
-    precision or wrapping (no ``Accelerator`` is built, nothing is prepared by it)."""
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import TorchDynamoPlugin
-
-    if not PartialState._shared_state:
-        PartialState(cpu=env.device.type == "cpu")
-    wanted = _accelerate_precision(precision)
-    if not AcceleratorState._shared_state:
-        AcceleratorState(mixed_precision=wanted, cpu=env.device.type == "cpu",
-                         dynamo_plugin=TorchDynamoPlugin(backend="no"), _from_accelerator=True)
-    AcceleratorState._shared_state["_mixed_precision"] = wanted
-
-
-def _dataloader_config() -> Any:
-    """Accelerate's ``DataLoaderConfiguration`` saying what shardwise's loaders do: every
-    rank reads its own whole batches (no dispatch from rank 0, no split of one batch)."""
-    from accelerate.utils import DataLoaderConfiguration
-
-    return DataLoaderConfiguration(split_batches=False, dispatch_batches=False,
-                                   even_batches=True)
-
-
-def _foreign_sampler(loader: DataLoader) -> bool:
-    """Whether ``loader`` draws from a sampler of a trainer's own (TRL's ``RepeatSampler``,
-    which repeats each prompt for its generations), which shardwise's split cannot rebuild."""
-    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
-
-    return loader.batch_size is not None and not isinstance(
-        loader.sampler, (RandomSampler, SequentialSampler, DistributedSampler))
-
-
-def _split_as_accelerate(loader: DataLoader, env: Any, plan: Any) -> DeviceLoader:
-    """``loader``'s own batches dealt to the data ranks in turn by Accelerate's
-    ``BatchSamplerShard`` (the split the Trainer on Accelerate gives it: whole batches,
-    every rank's last one full), its sampler kept as the trainer built it. Such a loader
-    resumes at epoch ends only (its order is the sampler's own)."""
-    from accelerate.data_loader import BatchSamplerShard
-
-    mesh = DistributeData.mesh(env, plan)
-    shares, share = (mesh.data_ranks(env.world_size), mesh.data_rank(env.rank)) \
-        if mesh is not None else (env.world_size, env.rank)
-    batches = BatchSamplerShard(loader.batch_sampler, num_processes=shares,
-                                process_index=share, split_batches=False, even_batches=True)
-    split = DataLoader(loader.dataset, batch_sampler=batches, num_workers=loader.num_workers,
-                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn)
-    return DeviceLoader(split, env.device)
-
-
 def _distributed_type(pipe: Pipeline) -> Any:
     from accelerate.utils import DistributedType
 
@@ -215,8 +151,8 @@ class ShardwiseAccelerator:
         self.plan = plan_of(pipe.transforms)
         # TrainingArguments started the group (Accelerate's PartialState) and leave it standing
         leave_at_exit()
-        _bridge_accelerate_state(self.env, self.plan.precision)
-        self.dataloader_config = _dataloader_config()
+        bridge_accelerate_state(self.env, self.plan.precision)
+        self.dataloader_config = dataloader_config()
 
     # -- what the Trainer reads --------------------------------------------------------------
 
@@ -260,7 +196,7 @@ class ShardwiseAccelerator:
     @property
     def mixed_precision(self) -> str:
         """The pipeline's precision in Accelerate's words ("no", "bf16", "fp16")."""
-        return _accelerate_precision(self.state.mixed_precision)
+        return accelerate_precision(self.state.mixed_precision)
 
     @property
     def torch_device_mesh(self) -> Any:
@@ -380,7 +316,7 @@ class ShardwiseAccelerator:
                                       "on shardwise is not supported yet")
         self.bundle = bundle
         self.state = attrs.evolve(self.state, mixed_precision=bundle.plan.precision)
-        _bridge_accelerate_state(self.env, bundle.plan.precision)
+        bridge_accelerate_state(self.env, bundle.plan.precision)
         self._models.append(bundle.model)
         return bundle
 
@@ -389,8 +325,8 @@ class ShardwiseAccelerator:
         iteration drawing its seed from torch's global stream as Accelerate's does (so
         dropout draws the same numbers), over the pipeline's data ranks."""
         data, env = self.data, self.env
-        if _foreign_sampler(loader) and env.is_distributed:
-            return _Tracked(_split_as_accelerate(loader, env, self.plan), self)
+        if foreign_sampler(loader) and env.is_distributed:
+            return _Tracked(split_as_accelerate(loader, env, self.plan), self)
         sharded = data(Bundle(model=nn.Identity(), loader=loader, env=env, plan=self.plan)).loader
         assert isinstance(sharded, DeviceLoader)
         return _Tracked(sharded, self)

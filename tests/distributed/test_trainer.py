@@ -581,7 +581,8 @@ def test_everything_transformers_trl_and_peft_ask_of_the_accelerator_is_answered
     here, naming the file, not in a user's run."""
     import inspect
 
-    from shardwise.trainer_accelerator import REFUSED, ShardwiseAccelerator
+    from shardwise.trainer_accelerate import REFUSED
+    from shardwise.trainer_accelerator import ShardwiseAccelerator
 
     asked = asked_of_the_accelerator()
     assert {"print", "reduce", "split_between_processes", "gather_for_metrics",

@@ -1,0 +1,91 @@
+# What of Accelerate itself the Trainer seam uses: its state as state only, its batch split, refusals.
+"""Accelerate's own pieces the Trainer on shardwise relies on, kept apart from the
+accelerator object (``trainer_accelerator.py``): Accelerate's ``AcceleratorState``
+initialised as state only (TRL's ``accelerate.utils`` helpers ask it), its
+``DataLoaderConfiguration`` describing shardwise's loaders, its ``BatchSamplerShard`` for a
+loader on a trainer's own sampler, and what the accelerator refuses by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from shardwise.data import DeviceLoader
+from shardwise.transforms.data_distribution import DistributeData
+
+__all__ = ["REFUSED", "accelerate_precision", "bridge_accelerate_state", "dataloader_config",
+           "foreign_sampler", "split_as_accelerate"]
+
+
+#: what the Trainer's accelerator refuses by name, and which feature would need it
+REFUSED = {
+    "deepspeed_ulysses_dl_adapter": "DeepSpeed's Ulysses sequence parallelism "
+    "(parallelism_config sp_backend='deepspeed') is not run by the Trainer on shardwise; use "
+    "sw.context_parallel() in a loop of your own",
+    "save_state": "Accelerate's own checkpoint format is not written by shardwise; the Trainer "
+    "saves its checkpoints itself (as transactions), and sw.save writes shardwise's",
+    "load_state": "Accelerate's own checkpoint format is not read by shardwise; resume with "
+    "trainer.train(resume_from_checkpoint=...)",
+    "accumulate": "the Trainer runs its own accumulation windows; a loop of your own uses "
+    "sw.accumulate_gradients(n)",
+}
+
+
+def accelerate_precision(precision: str | None) -> str:
+    return {"bf16": "bf16", "fp16": "fp16"}.get(precision or "", "no")
+
+
+def bridge_accelerate_state(env: Any, precision: str | None) -> None:
+    """Accelerate's ``AcceleratorState`` initialised as state only, from the process group
+    TrainingArguments started (its ``PartialState``) and the pipeline's precision, with no
+    plugin: TRL calls ``accelerate.utils`` helpers (``gather_object``,
+    ``broadcast_object_list``) that ask it, and nothing of Accelerate decides placement,
+    precision or wrapping (no ``Accelerator`` is built, nothing is prepared by it)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import TorchDynamoPlugin
+
+    if not PartialState._shared_state:
+        PartialState(cpu=env.device.type == "cpu")
+    wanted = accelerate_precision(precision)
+    if not AcceleratorState._shared_state:
+        AcceleratorState(mixed_precision=wanted, cpu=env.device.type == "cpu",
+                         dynamo_plugin=TorchDynamoPlugin(backend="no"), _from_accelerator=True)
+    AcceleratorState._shared_state["_mixed_precision"] = wanted
+
+
+def dataloader_config() -> Any:
+    """Accelerate's ``DataLoaderConfiguration`` saying what shardwise's loaders do: every
+    rank reads its own whole batches (no dispatch from rank 0, no split of one batch)."""
+    from accelerate.utils import DataLoaderConfiguration
+
+    return DataLoaderConfiguration(split_batches=False, dispatch_batches=False,
+                                   even_batches=True)
+
+
+def foreign_sampler(loader: DataLoader) -> bool:
+    """Whether ``loader`` draws from a sampler of a trainer's own (TRL's ``RepeatSampler``,
+    which repeats each prompt for its generations), which shardwise's split cannot rebuild."""
+    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+
+    return loader.batch_size is not None and not isinstance(
+        loader.sampler, (RandomSampler, SequentialSampler, DistributedSampler))
+
+
+def split_as_accelerate(loader: DataLoader, env: Any, plan: Any) -> DeviceLoader:
+    """``loader``'s own batches dealt to the data ranks in turn by Accelerate's
+    ``BatchSamplerShard`` (the split the Trainer on Accelerate gives it: whole batches,
+    every rank's last one full), its sampler kept as the trainer built it. Such a loader
+    resumes at epoch ends only (its order is the sampler's own)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    mesh = DistributeData.mesh(env, plan)
+    shares, share = (mesh.data_ranks(env.world_size), mesh.data_rank(env.rank)) \
+        if mesh is not None else (env.world_size, env.rank)
+    batches = BatchSamplerShard(loader.batch_sampler, num_processes=shares,
+                                process_index=share, split_batches=False, even_batches=True)
+    split = DataLoader(loader.dataset, batch_sampler=batches, num_workers=loader.num_workers,
+                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn)
+    return DeviceLoader(split, env.device)

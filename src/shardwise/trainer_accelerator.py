@@ -389,7 +389,43 @@ class ShardwiseAccelerator:
             dist.all_gather_object(parts, input_data)
             return [item for part in parts for item in (part if isinstance(part, list)
                                                        else [part])]
+        leaves = tree_flatten(input_data)[0]
+        if any(isinstance(leaf, torch.Tensor) and leaf.ndim == 0 for leaf in leaves):
+            return self._gather_scalars(input_data)
         return gather_for_metrics(input_data, self.active)
+
+    def _gather_scalars(self, input_data: Any) -> Any:
+        """Per-rank scalars (TRL's token counts and accuracies), gathered as the Trainer on
+        Accelerate gathers them, so its logs are the same: one value per rank, and at the end
+        of a loader whose dataset leaves a remainder, only the first ``remainder`` values
+        (Accelerate cuts every gathered tensor to the remainder's sample count, scalars too)."""
+        from torch.utils._pytree import tree_map
+
+        remainder = self._remainder() if self.gradient_state.end_of_dataloader else 0
+
+        def one(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            if leaf.ndim:  # a batch's values: its padding dropped, as elsewhere
+                return gather_for_metrics(leaf, self.active)
+            values = gather_for_metrics(leaf.reshape(1), None)
+            return values[:remainder] if remainder > 0 else values
+
+        return tree_map(one, input_data)
+
+    def _remainder(self) -> int:
+        """Accelerate's ``remainder`` of the active loader: its dataset's samples past the last
+        whole global batch (0 when they divide, or the loader drops its last batch)."""
+        loader = self.active
+        if loader is None or getattr(loader, "drop_last", False):
+            return 0
+        try:
+            samples = len(loader.dataset)
+        except TypeError:
+            return 0
+        mesh = DistributeData.mesh(self.env, self.plan)
+        ranks = mesh.data_ranks(self.env.world_size) if mesh is not None else self.env.world_size
+        return int(samples % ((getattr(loader, "batch_size", None) or 1) * ranks))
 
     def gather(self, tensor: Any) -> Any:
         """Every rank's ``tensor`` concatenated along the first dimension (padding kept)."""

@@ -310,13 +310,14 @@ def word_tokenizer():
         vocab, unk_token="<pad>")), pad_token="<pad>", eos_token="</s>")
 
 
-def sft(on_shardwise, output_dir):
+def sft(on_shardwise, output_dir, samples=16, kept=KEPT):
     """TRL's SFTTrainer fine-tuning a LoRA adapter (PEFT) on pre-tokenised sequences."""
     import datasets
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    ids = torch.randint(0, VOCAB - 2, (16, LENGTH), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB - 2, (samples, LENGTH),
+                        generator=torch.Generator().manual_seed(1))
     args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=2, num_train_epochs=2,
                      learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[],
                      use_cpu=True, ddp_backend="gloo", seed=7, disable_tqdm=True,
@@ -328,7 +329,7 @@ def sft(on_shardwise, output_dir):
                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     trainer.train()
     trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
-    history = [{k: v for k, v in log.items() if k in KEPT} for log in trainer.state.log_history]
+    history = [{k: v for k, v in log.items() if k in kept} for log in trainer.state.log_history]
     return history, type(trainer.accelerator).__name__, trained
 
 
@@ -704,3 +705,17 @@ def test_trls_grpo_and_rloo_trainers_run_on_shardwise_and_log_what_they_log_on_a
             for key, value in log.items():
                 assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, key)
         assert {"loss", "reward", "grad_norm", "learning_rate"} <= theirs[name][0].keys()
+
+
+def test_trls_per_rank_scalars_at_an_epochs_padded_last_step_are_gathered_as_on_accelerate(
+        tmp_path):
+    """13 samples in global batches of 4: each epoch's last step is padded. TRL gathers its
+    token count and accuracy per rank through gather_for_metrics, which Accelerate cuts to
+    the remainder there; the Trainer on shardwise gives the same numbers (they differed)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    kept = (*KEPT, "num_tokens", "mean_token_accuracy")
+    runs = {name: run_distributed(sft, on, str(tmp_path / name), 13, kept, timeout=400)[0][0]
+            for name, on in (("accelerate", False), ("shardwise", True))}
+    assert_same_logs(runs["accelerate"], runs["shardwise"])
+    assert any("num_tokens" in log for log in runs["shardwise"])

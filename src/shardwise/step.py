@@ -117,6 +117,7 @@ class Stepper:
         if pending is not None and pending.failed():
             run = self.run
             run.optimizer.zero_grad(set_to_none=True)
+            run.labelled = None  # this call's count belongs to no window now
             stepped = " (the scheduler had stepped)" if run.scheduler is not None else ""
             empty = no_items_text(pending.step, pending.micro_step, pending.items, pending.reduce)
             remedy = ("Check the labels and masks of these batches (a prompt mask or truncation "

@@ -8,6 +8,9 @@ loader on a trainer's own sampler, and what the accelerator refuses by name.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -50,9 +53,28 @@ def bridge_accelerate_state(env: Any, precision: str | None) -> None:
         PartialState(cpu=env.device.type == "cpu")
     wanted = accelerate_precision(precision)
     if not AcceleratorState._shared_state:
-        AcceleratorState(mixed_precision=wanted, cpu=env.device.type == "cpu",
-                         dynamo_plugin=TorchDynamoPlugin(backend="no"), _from_accelerator=True)
+        with _without_plugin_switches():
+            AcceleratorState(mixed_precision=wanted, cpu=env.device.type == "cpu",
+                             dynamo_plugin=TorchDynamoPlugin(backend="no"),
+                             _from_accelerator=True)
     AcceleratorState._shared_state["_mixed_precision"] = wanted
+
+
+#: what `accelerate launch` sets to make AcceleratorState build its FSDP, DeepSpeed or
+#: Megatron plugin; shardwise's launcher reader has mapped them onto its own transforms
+_PLUGIN_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM")
+
+
+@contextlib.contextmanager
+def _without_plugin_switches() -> Iterator[None]:
+    """The launcher's plugin switches hidden while Accelerate's state is built: that state
+    carries no plugin (its constructor would otherwise set up a plugin it was not given, and
+    fail), the pipeline runs the distribution they asked for."""
+    hidden = {name: os.environ.pop(name) for name in _PLUGIN_SWITCHES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 def dataloader_config() -> Any:

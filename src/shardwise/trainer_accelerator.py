@@ -417,7 +417,10 @@ class ShardwiseAccelerator:
         """Accelerate's ``remainder`` of the active loader: its dataset's samples past the last
         whole global batch (0 when they divide, or the loader drops its last batch)."""
         loader = self.active
-        if loader is None or getattr(loader, "drop_last", False):
+        # a loader dealt by Accelerate's BatchSamplerShard keeps its sizes on that sampler
+        sizes = loader if getattr(loader, "batch_size", None) is not None \
+            else getattr(loader, "batch_sampler", None)
+        if loader is None or sizes is None or getattr(sizes, "drop_last", False):
             return 0
         try:
             samples = len(loader.dataset)
@@ -425,7 +428,7 @@ class ShardwiseAccelerator:
             return 0
         mesh = DistributeData.mesh(self.env, self.plan)
         ranks = mesh.data_ranks(self.env.world_size) if mesh is not None else self.env.world_size
-        return int(samples % ((getattr(loader, "batch_size", None) or 1) * ranks))
+        return int(samples % ((getattr(sizes, "batch_size", None) or 1) * ranks))
 
     def gather(self, tensor: Any) -> Any:
         """Every rank's ``tensor`` concatenated along the first dimension (padding kept)."""

@@ -141,23 +141,31 @@ def test_the_sweep_removes_only_what_shardwise_wrote(tmp_path):
     state, _ = train_for(bundle, bundle.init(), 1)
     sw.save(tmp_path, bundle, state)
     mine = {".tmp.notes": "file", ".old.config": "file", ".old.data": "dir", "data": "dir",
-            ".tmp.scratch": "dir", ".trash.old": "dir"}
+            ".tmp.scratch": "dir", ".trash.old": "dir", ".tmp.cache": "dir", ".tmp.rngs": "dir"}
     for name, kind in mine.items():
         if kind == "file":
             (tmp_path / name).write_text("keep me")
         else:
             (tmp_path / name).mkdir()
             (tmp_path / name / "notes.txt").write_text("keep me")
+    (tmp_path / ".tmp.cache" / "cache").mkdir()  # named like the Trainer's staged folder
+    (tmp_path / ".tmp.rngs" / "rng").mkdir()  # named like the RNG folder, holding notes
+    (tmp_path / ".tmp.rngs" / "rng" / "notes.txt").write_text("keep me")
     debris = tmp_path / ".tmp.step_00000007"  # killed mid-write
     (debris / "rng").mkdir(parents=True)
+    (debris / "rng" / "rank_00000.json").write_text("{}")
     (debris / "__0_0.distcp").write_bytes(b"x")
+    deepspeed = tmp_path / ".tmp.step_00000008"  # DeepSpeed's files and its scripts
+    (deepspeed / "deepspeed").mkdir(parents=True)
+    (deepspeed / "zero_to_fp32.py").write_text("# DeepSpeed's")
     trash = tmp_path / ".trash.step_00000001.0123abcd"  # killed mid-delete
     trash.mkdir()
     (trash / transaction.TRASH_MARK).touch()
     (trash / ".metadata").write_bytes(b"x")
     state, _ = train_for(bundle, state, 1)
     sw.save(tmp_path, bundle, state)
-    assert not debris.exists() and not trash.exists()
+    assert not debris.exists() and not trash.exists() and not deepspeed.exists()
+    assert (tmp_path / ".tmp.cache" / "cache").is_dir()
     for name, kind in mine.items():
         path = tmp_path / name if kind == "file" else tmp_path / name / "notes.txt"
         assert path.read_text() == "keep me", name

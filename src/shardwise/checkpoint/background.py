@@ -229,7 +229,8 @@ def _destroy_waits_for_saves() -> None:
     def destroy_process_group(group: Any = None) -> None:
         handle = _IN_FLIGHT.handle
         thread = None if handle is None else handle._thread
-        if thread is not None and thread is not threading.current_thread():
+        every = group is None or group is dist.GroupMember.WORLD  # a sub-group: not the save's
+        if every and thread is not None and thread is not threading.current_thread():
             thread.join()  # published (or failed) before its group goes
         original(group)
 

@@ -18,7 +18,7 @@ from shardwise.bundle import Bundle
 from shardwise.errors import ArgumentError, CheckpointError
 
 __all__ = ["SKIPPABLE", "check_skip", "parts_of", "check_parts", "scheduler_loads", "refusal",
-           "whole_model_groups", "uncovered_groups"]
+           "whole_model_groups", "uncovered_groups", "stage_groups"]
 
 #: what ``sw.load(..., skip=...)`` may leave out
 SKIPPABLE = ("optimizer", "scheduler", "scaler", "rng")
@@ -84,6 +84,18 @@ def whole_model_groups(bundle: Bundle, other: dict[str, Any]) -> dict[str, Any]:
         for mine, group in zip(groups, theirs.get("param_groups", []), strict=True):
             mine["params"] += [n for n in group.get("params", []) if n not in mine["params"]]
     return {**other, "state": state, "param_groups": groups}
+
+
+def stage_groups(saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
+    """The record's optimizer part with each param group naming only this rank's parameters
+    (``mine``: its own JSON part): a pipeline stage loads the groups of its own parameters,
+    a group none of whose parameters it holds staying empty as its optimizer's is (torch
+    maps saved groups to the optimizer's by the names they hold)."""
+    groups = [dict(theirs, params=[n for n in theirs.get("params", [])
+                                   if n in set(own.get("params", []))])
+              for theirs, own in zip(saved.get("param_groups", []),
+                                     mine.get("param_groups", []), strict=False)]
+    return {**saved, "param_groups": groups}
 
 
 def uncovered_groups(meta: dict[str, Any], other: dict[str, Any]) -> list[str]:

@@ -24,6 +24,7 @@ from shardwise.bundle import Bundle
 from shardwise.checkpoint import integrity
 from shardwise.checkpoint import rng as _rng
 from shardwise.checkpoint.background import cause
+from shardwise.checkpoint.compatibility import stage_groups
 from shardwise.checkpoint.layout import (
     FORMAT,
     META,
@@ -240,7 +241,7 @@ def load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any],
     reader = SafeReader(path)
     engine = bundle.engine
     with _no_gradients(bundle.model, optimizer, keep=True):  # kept only if the load succeeds
-        model_sd, tensors, _ = engine.state_dicts(bundle.model, optimizer)
+        model_sd, tensors, mine = engine.state_dicts(bundle.model, optimizer)
         # read into copies: the model and optimizer change only once every tensor was read
         target = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
                           {"model": model_sd, "optimizer": tensors})
@@ -256,7 +257,10 @@ def load_dcp(path: Path, bundle: Bundle, meta: dict[str, Any],
             raise CheckpointError(f"reading checkpoint {path} failed ({cause(exc)}); the "
                                   "checkpoint is partial or corrupt; nothing was restored"
                                   ) from None
-        engine.load_state_dicts(bundle.model, optimizer, target, meta["optimizer"])
+        saved = meta["optimizer"]
+        if bundle.stages is not None and optimizer is not None:  # this stage's groups only
+            saved = stage_groups(saved, mine)
+        engine.load_state_dicts(bundle.model, optimizer, target, saved)
 
 
 def intact(root: Path, bundle: Bundle) -> Path:

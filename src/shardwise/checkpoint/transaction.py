@@ -35,7 +35,7 @@ from shardwise.checkpoint.layout import (
     OLD,
     complete_steps,
     fsync_dir,
-    is_ours,
+    is_complete,
     is_step_name,
     read_json,
     step_of,
@@ -102,8 +102,11 @@ class PublishedError(OSError):
 TRASH_MARK = ".shardwise-trash"
 #: the files a save writes into its hidden ``.tmp.*`` directory (DCP's shards and metadata,
 #: the record, the manifest, the RNG folder, DeepSpeed's folder, each while written too)
-_TMP_FILES = re.compile(r"(__\d+_\d+\.distcp|\.metadata|shardwise\.json|checksums\.json|rng"
-                        r"|deepspeed)(\.tmp)?")
+_TMP_FILES = re.compile(r"(__\d+_\d+\.distcp|\.metadata|shardwise\.json|checksums\.json"
+                        r"|deepspeed|zero_to_fp32\.py|zero_to_torch\.py)(\.tmp)?")
+_RNG_FILES = re.compile(r"rank_\d{5,}\.json(\.tmp)?")
+#: the Trainer's own layout: a checkpoint-N it wrote records its state here
+TRAINER_STATE = "trainer_state.json"
 _TRASH_NAME = re.compile(re.escape(TRASH) + r".+\.[0-9a-f]{8}")
 
 
@@ -112,14 +115,16 @@ def retire(path: Path) -> None:
     shardwise's, then its contents, the mark last (a crash leaves it recognisable)."""
     trash = path.with_name(f"{TRASH}{path.name}.{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
-    _delete(trash, mark=True)
+    _delete(trash)
 
 
-def _delete(trash: Path, *, mark: bool) -> None:
+def _delete(trash: Path) -> None:
+    """Delete ``trash``'s contents, then its mark, then itself: the mark goes only once
+    nothing else is left, so whatever a crash or an undeletable file leaves stays
+    recognisable as shardwise's (the next save tries again)."""
     mark_file = trash / TRASH_MARK
-    if mark:
-        with contextlib.suppress(OSError):
-            mark_file.touch()
+    with contextlib.suppress(OSError):
+        mark_file.touch()
     for entry in trash.iterdir():
         if entry.name == TRASH_MARK:
             continue
@@ -128,6 +133,8 @@ def _delete(trash: Path, *, mark: bool) -> None:
         else:
             with contextlib.suppress(OSError):
                 entry.unlink()
+    if any(entry.name != TRASH_MARK for entry in trash.iterdir()):
+        return
     with contextlib.suppress(OSError):
         mark_file.unlink(missing_ok=True)
         trash.rmdir()
@@ -144,28 +151,43 @@ def _sealed(path: Path) -> bool:
     return _real_dir(path) and manifest.is_file() and not manifest.is_symlink()
 
 
-def _ours_old(old: Path) -> bool:
-    """``.old.X``: a checkpoint shardwise published as ``X`` and set aside for a re-save."""
-    if not _sealed(old):
+def _published_as(path: Path, name: str) -> bool:
+    """Whether the real directory ``path`` is a checkpoint shardwise published as ``name``: a
+    complete one whose record names it (older records: a step name), or, without a record,
+    the Trainer's layout (its seal, or its ``trainer_state.json``)."""
+    if not _real_dir(path):
         return False
-    name = old.name.removeprefix(OLD)
-    if not os.path.lexists(old / META):  # the Trainer's: sealed, no record
-        return True
+    if not os.path.lexists(path / META):
+        return _sealed(path) or (path / TRAINER_STATE).is_file()
+    if not is_complete(path):
+        return False
     try:
-        recorded = read_json(old / META, follow=False).get("name")
+        recorded = read_json(path / META, follow=False).get("name")
     except (OSError, ValueError, AttributeError):
         return False
     return recorded == name or (recorded is None and is_step_name(name))
 
 
-def _ours_tmp(tmp: Path) -> bool:
-    """``.tmp.X``: an interrupted save's directory, holding only what a save writes (or the
-    Trainer's staged ``X`` folder), or nothing yet."""
+def _ours_old(old: Path) -> bool:
+    """``.old.X``: a checkpoint shardwise published as ``X`` and set aside for a re-save."""
+    return _published_as(old, old.name.removeprefix(OLD))
+
+
+def _ours_tmp(tmp: Path, nested: bool) -> bool:
+    """``.tmp.X``: an interrupted save's directory, holding only what a save writes (the
+    RNG folder only rank files), or nothing yet; with ``nested`` (a caller sweeping its own
+    pattern, the Trainer's ``checkpoint-*``), its staged ``X`` folder too."""
     if not _real_dir(tmp):
         return False
     inner = tmp.name.removeprefix(TMP)
-    return all(_TMP_FILES.fullmatch(e.name) or (e.name == inner and _real_dir(e))
-               for e in tmp.iterdir())
+
+    def ours(entry: Path) -> bool:
+        if entry.name == "rng":
+            return _real_dir(entry) and all(_RNG_FILES.fullmatch(f.name) for f in entry.iterdir())
+        return bool(_TMP_FILES.fullmatch(entry.name)) or (
+            nested and entry.name == inner and _real_dir(entry))
+
+    return all(ours(entry) for entry in tmp.iterdir())
 
 
 def _ours_trash(trash: Path) -> bool:
@@ -177,13 +199,8 @@ def _ours_trash(trash: Path) -> bool:
 
 def _replaceable(path: Path) -> bool:
     """Whether ``path`` is a checkpoint shardwise published under its name (a save of the
-    same name may replace it): a record naming it (``sw.save``'s), or, without a record, a
-    seal (the Trainer's ``checkpoint-N``); never a symlink."""
-    if not _real_dir(path):
-        return False
-    if os.path.lexists(path / META):
-        return is_ours(path)
-    return _sealed(path)
+    same name may replace it), or the Trainer's own ``checkpoint-N``; never a symlink."""
+    return _published_as(path, path.name)
 
 
 def _check_in_the_way(root: Path, name: str) -> None:
@@ -215,11 +232,11 @@ def recover(root: Path, names: str = "*") -> None:
         else:
             os.rename(old, published)  # killed between the two renames: the old one returns
     for debris in root.glob(TMP + names):
-        if _ours_tmp(debris):
+        if _ours_tmp(debris, nested=names != "*"):
             shutil.rmtree(debris, ignore_errors=True)
     for debris in root.glob(TRASH + "*"):
         if _ours_trash(debris):
-            _delete(debris, mark=False)
+            _delete(debris)
     fsync_dir(root)
 
 

@@ -199,17 +199,31 @@ def window_count(run: StepRun, total: torch.Tensor | None) -> tuple[torch.Tensor
     return labelled, run.synced > 1
 
 
+def _collective_device() -> torch.device:
+    """Where a tensor for a collective of the default group lives (NCCL: this GPU)."""
+    if torch.cuda.is_available() and dist.get_backend() != "gloo":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def no_items_text(step: int, micro: int, total: torch.Tensor | None,
                   reduce: bool = False) -> str | None:
     """When the window's item count (over every rank) is zero, why the step is not finite,
     in words the same on every layout: every label of it is -100, so its loss is 0/0 (the
     learning rate is not the cause); else None. A host read (and, with ``reduce``, a
     collective every rank reaches: they agreed the step failed), made only once it failed."""
+    if reduce:  # every rank reaches this (the flag says so on all): counted or not
+        device = total.device if total is not None else _collective_device()
+        counted = total.double() if total is not None else torch.zeros((), dtype=torch.float64,
+                                                                      device=device)
+        pair = torch.stack([counted, torch.tensor(float(total is not None), dtype=torch.float64,
+                                                  device=device)])
+        dist.all_reduce(pair)
+        if int(pair[1].item()) != dist.get_world_size():
+            return None  # some rank's batches had no labels to count
+        total = pair[0]
     if total is None:
         return None
-    if reduce:
-        total = total.clone()
-        dist.all_reduce(total)
     if bool(total.item() != 0):
         return None
     return (f"optimizer step {step} (micro-step {micro}): its window holds no labelled token "

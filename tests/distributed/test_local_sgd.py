@@ -208,3 +208,28 @@ def test_each_epoch_end_averages_as_accelerates_local_sgd_context_and_on_demand(
     assert all(torch.equal(averaged[0][k], averaged[1][k]) for k in averaged[0])
     assert not torch.equal(ours[0][3], ours[1][3])  # two models predicted differently
     assert torch.equal(ours[0][4], ours[1][4])  # after average_replicas: one
+
+
+def one_rank_not_finite():
+    """every=1 with SGD with momentum (no fused kernel: the check is read at once): rank 0's
+    first step is not finite (it raises), rank 1's is; both go on. The replicas still average
+    at each step, in step (the raising rank joined the first average)."""
+    env = sw.detect()
+    torch.manual_seed(0)
+    model = TinyMLP()
+    bundle = sw.pipeline(env, sw.replicate(), sw.local_sgd(every=1))(
+        model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
+    state, raised = bundle.init(), False
+    x, y = batches(env.rank, 2)[0]
+    try:
+        state, _ = bundle.step(state, (x * (float("nan") if env.rank == 0 else 1.0), y))
+    except sw.errors.NonFiniteError as exc:
+        state, raised = exc.state, True
+    state, _ = bundle.step(state, batches(env.rank, 2)[1])
+    return raised, snapshot(bundle.engine.unwrap(bundle.model))
+
+
+def test_a_replica_whose_step_is_not_finite_still_joins_the_average():
+    runs = run_distributed(one_rank_not_finite, world_size=2, timeout=90)
+    assert [raised for raised, _ in runs] == [True, False]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])

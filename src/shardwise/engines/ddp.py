@@ -14,7 +14,7 @@ from shardwise._params import param_names
 from shardwise.engines.base import Engine, MemoryParts, set_hyperparameters, state_bytes
 from shardwise.engines.step_hooks import Backward, Micro, NoSync, StepRun, WindowEnd
 from shardwise.env import Env
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, NonFiniteError
 from shardwise.state import TrainState
 
 __all__ = ["DDPEngine"]
@@ -100,10 +100,16 @@ class DDPEngine(Engine):
 
     def end_window(self, run: StepRun, state: TrainState, done: Backward, micro: Micro
                    ) -> WindowEnd:
-        end = super().end_window(run, state, done, micro)
         # every k-th step, and at the end of an epoch (Accelerate's LocalSGD, leaving its context)
-        if self.local_sgd_every and ((state.step + 1) % self.local_sgd_every == 0
-                                     or micro.epoch_end):
+        due = bool(self.local_sgd_every) and ((state.step + 1) % (self.local_sgd_every or 1) == 0
+                                              or micro.epoch_end)
+        try:
+            end = super().end_window(run, state, done, micro)
+        except NonFiniteError:
+            if due:  # each replica checks its own step: one that raises still joins the average
+                self.synchronise_replicas(run.model, None)
+            raise
+        if due:
             run.phase = "averaging the replicas' parameters (local SGD)"
             self.synchronise_replicas(run.model, None)
         return end

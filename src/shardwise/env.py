@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, get_args
 
 import attrs
@@ -18,7 +19,7 @@ from shardwise._text import short as _short
 from shardwise.errors import EnvError
 from shardwise.precision import Precision
 
-__all__ = ["Env", "detect", "CONFIG_ENV_VAR", "Launcher", "Precision"]
+__all__ = ["Env", "detect", "CONFIG_ENV_VAR", "Launcher", "Precision", "variables_hidden"]
 
 Launcher = Literal["none", "torchrun", "env", "slurm", "mpi"]
 _LAUNCHERS = get_args(Launcher)
@@ -408,3 +409,15 @@ def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env
     if isinstance(values.get("precisions"), (list, tuple)):
         values["precisions"] = tuple(values["precisions"])
     return Env(**values)
+
+
+@contextlib.contextmanager
+def variables_hidden(*names: str) -> Iterator[None]:
+    """The launcher's variables ``names`` hidden (then put back) while a library that reads
+    them itself is set up: shardwise read them once, into the Env and the pipeline, and runs
+    what they ask for (Accelerate's state would build a plugin of its own from them)."""
+    hidden = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)

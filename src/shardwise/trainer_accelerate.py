@@ -8,14 +8,12 @@ loader on a trainer's own sampler, and what the accelerator refuses by name.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 from shardwise.data import DeviceLoader
+from shardwise.env import variables_hidden
 from shardwise.transforms.data_distribution import DistributeData
 
 __all__ = ["REFUSED", "accelerate_precision", "bridge_accelerate_state", "dataloader_config",
@@ -53,7 +51,7 @@ def bridge_accelerate_state(env: Any, precision: str | None) -> None:
         PartialState(cpu=env.device.type == "cpu")
     wanted = accelerate_precision(precision)
     if not AcceleratorState._shared_state:
-        with _without_plugin_switches():
+        with variables_hidden(*_PLUGIN_SWITCHES):
             AcceleratorState(mixed_precision=wanted, cpu=env.device.type == "cpu",
                              dynamo_plugin=TorchDynamoPlugin(backend="no"),
                              _from_accelerator=True)
@@ -63,18 +61,6 @@ def bridge_accelerate_state(env: Any, precision: str | None) -> None:
 #: what `accelerate launch` sets to make AcceleratorState build its FSDP, DeepSpeed or
 #: Megatron plugin; shardwise's launcher reader has mapped them onto its own transforms
 _PLUGIN_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM")
-
-
-@contextlib.contextmanager
-def _without_plugin_switches() -> Iterator[None]:
-    """The launcher's plugin switches hidden while Accelerate's state is built: that state
-    carries no plugin (its constructor would otherwise set up a plugin it was not given, and
-    fail), the pipeline runs the distribution they asked for."""
-    hidden = {name: os.environ.pop(name) for name in _PLUGIN_SWITCHES if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(hidden)
 
 
 def dataloader_config() -> Any:

@@ -155,7 +155,7 @@ def _peer_reports(rank: int, size: int, where: str) -> dict[int, str]:
         return {}
 
 
-def _shutdown() -> None:
+def leave_group() -> None:
     """Leave the group started here: exit barrier, then destroy it. Idempotent; registered
     with atexit. Avoids aborts and torch's 'not destroyed' warning.
 
@@ -240,12 +240,12 @@ def ensure_process_group(env: Env) -> None:
 
 
 def _leave_later(scope: str, store: dist.Store) -> None:
-    """Record the default group as the one to leave at exit (``_shutdown``, registered once
+    """Record the default group as the one to leave at exit (``leave_group``, registered once
     per process), its exit barrier and failure reports under ``scope`` in ``store``."""
     record = _MEMBERSHIP
     record.reports = dist.PrefixStore(f"{scope}/failed", store)
     if record.groups_started == 1:
-        atexit.register(_shutdown)
+        atexit.register(leave_group)
     record.started = (dist.group.WORLD, dist.PrefixStore(f"{scope}/exit", store))
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from shardwise._net import free_port
-from shardwise.distributed import _shutdown
+from shardwise.distributed import leave_group
 from shardwise.errors import RankFailedError
 
 __all__ = [
@@ -49,7 +49,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_s
     queue.put(message)  # a SimpleQueue writes before put() returns
     if not message[1]:
         os._exit(1)  # do not wait at an exit barrier the other ranks may never reach
-    _shutdown()  # the group the pipeline started: exit barrier on the store, then destroyed
+    leave_group()  # the group the pipeline started: exit barrier on the store, then destroyed
     if dist.is_initialized():
         dist.destroy_process_group()  # one that fn started itself
 

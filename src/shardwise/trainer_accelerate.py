@@ -8,16 +8,21 @@ loader on a trainer's own sampler, and what the accelerator refuses by name.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
+from torch import nn
 from torch.utils.data import DataLoader
 
 from shardwise.data import DeviceLoader
 from shardwise.env import variables_hidden
 from shardwise.transforms.data_distribution import DistributeData
 
-__all__ = ["REFUSED", "accelerate_precision", "bridge_accelerate_state", "dataloader_config",
-           "foreign_sampler", "split_as_accelerate"]
+__all__ = ["REFUSED", "accelerate_precision", "amp_forward", "bridge_accelerate_state",
+           "dataloader_config", "foreign_sampler", "restore_forward", "skip_batches",
+           "split_as_accelerate"]
 
 
 #: what the Trainer's accelerator refuses by name, and which feature would need it
@@ -32,6 +37,38 @@ REFUSED = {
     "accumulate": "the Trainer runs its own accumulation windows; a loop of your own uses "
     "sw.accumulate_gradients(n)",
 }
+
+
+def amp_forward(model: nn.Module,
+                autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> None:
+    """``model.forward`` as Accelerate's mixed precision makes it: run under ``autocast``
+    (none where the engine casts the parameters) and every bf16/fp16 tensor it returns in
+    fp32, so a loss the Trainer or TRL computes outside the model (a reward model's, a
+    preference loss) is computed in fp32 as on Accelerate."""
+    from accelerate.utils import convert_to_fp32
+
+    restore_forward(model)  # prepared again (for evaluation first, then for training)
+    original = model.forward
+    # the function, called on ``self``: a deep copy of the model runs its own parameters
+    function = original.__func__ if isinstance(original, MethodType) and \
+        original.__self__ is model else None
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.nullcontext() if autocast is None else autocast():
+            out = original(*args, **kwargs) if function is None else \
+                function(self, *args, **kwargs)
+        return convert_to_fp32(out)
+
+    model._shardwise_forward = original  # type: ignore[assignment]
+    model.forward = MethodType(forward, model)
+
+
+def restore_forward(model: nn.Module) -> None:
+    """Undo :func:`amp_forward` (``unwrap_model(keep_fp32_wrapper=False)``)."""
+    original = getattr(model, "_shardwise_forward", None)
+    if original is not None:
+        model.forward = original
+        del model._shardwise_forward
 
 
 def accelerate_precision(precision: str | None) -> str:
@@ -84,8 +121,8 @@ def foreign_sampler(loader: DataLoader) -> bool:
 def split_as_accelerate(loader: DataLoader, env: Any, plan: Any) -> DeviceLoader:
     """``loader``'s own batches dealt to the data ranks in turn by Accelerate's
     ``BatchSamplerShard`` (the split the Trainer on Accelerate gives it: whole batches,
-    every rank's last one full), its sampler kept as the trainer built it. Such a loader
-    resumes at epoch ends only (its order is the sampler's own)."""
+    every rank's last one full), its sampler kept as the trainer built it. Mid-epoch it
+    resumes as on Accelerate (:func:`skip_batches`)."""
     from accelerate.data_loader import BatchSamplerShard
 
     mesh = DistributeData.mesh(env, plan)
@@ -93,7 +130,24 @@ def split_as_accelerate(loader: DataLoader, env: Any, plan: Any) -> DeviceLoader
         if mesh is not None else (env.world_size, env.rank)
     batches = BatchSamplerShard(loader.batch_sampler, num_processes=shares,
                                 process_index=share, split_batches=False, even_batches=True)
-    split = DataLoader(loader.dataset, batch_sampler=batches, num_workers=loader.num_workers,
-                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn)
-    return DeviceLoader(split, env.device)
+    return DeviceLoader(_rebatched(loader, batches), env.device)
+
+
+def skip_batches(loader: DeviceLoader, count: int) -> DeviceLoader:
+    """One epoch of a :func:`split_as_accelerate` loader without its first ``count`` batches:
+    their indices drawn from the sampler and dropped, no sample read, as Accelerate's
+    ``skip_first_batches`` resumes the Trainer mid-epoch (the sampler's order is its own:
+    mid first epoch the run continues exactly; later, as on Accelerate, the new sampler
+    starts its draws again)."""
+    from accelerate.data_loader import SkipBatchSampler
+
+    inner = loader.loader
+    assert isinstance(inner, DataLoader)
+    return DeviceLoader(_rebatched(inner, SkipBatchSampler(inner.batch_sampler, count)),
+                        loader.device)
+
+
+def _rebatched(loader: DataLoader, batches: Any) -> DataLoader:
+    return DataLoader(loader.dataset, batch_sampler=batches, num_workers=loader.num_workers,
+                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn)

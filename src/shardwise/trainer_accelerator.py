@@ -28,16 +28,19 @@ from torch.utils.data import DataLoader
 
 from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader
-from shardwise.distributed import leave_at_exit
+from shardwise.distributed import leave_at_exit, leave_group
 from shardwise.errors import ArgumentError
 from shardwise.metrics import gather_for_metrics
 from shardwise.pipelines import Pipeline
 from shardwise.trainer_accelerate import (
     REFUSED,
     accelerate_precision,
+    amp_forward,
     bridge_accelerate_state,
     dataloader_config,
     foreign_sampler,
+    restore_forward,
+    skip_batches,
     split_as_accelerate,
 )
 from shardwise.transforms.base import plan_of
@@ -77,8 +80,9 @@ class _Tracked:
     """A distributed loader that tells the accelerator when it is iterated (the loader
     ``gather_for_metrics`` drops the padding of) and when its last batch is out."""
 
-    def __init__(self, loader: DeviceLoader, owner: ShardwiseAccelerator) -> None:
-        self.loader, self.owner = loader, owner
+    def __init__(self, loader: DeviceLoader, owner: ShardwiseAccelerator,
+                 foreign: bool = False) -> None:
+        self.loader, self.owner, self.foreign = loader, owner, foreign
 
     def __iter__(self) -> Iterator[Any]:
         state = self.owner.gradient_state
@@ -94,7 +98,10 @@ class _Tracked:
 
     def skip(self, batches: int) -> _Tracked:
         """Start the epoch the Trainer sets next after ``batches`` of this rank's batches: the
-        sampler starts part-way through the epoch's order, reading none of them."""
+        sampler starts part-way through the epoch's order, reading none of them. A loader on
+        a trainer's own sampler skips as on Accelerate (their indices drawn and dropped)."""
+        if self.foreign:
+            return _Tracked(skip_batches(self.loader, batches), self.owner, foreign=True)
         self.skipped = batches
         return self
 
@@ -300,8 +307,21 @@ class ShardwiseAccelerator:
                       evaluation_mode: bool = False) -> nn.Module:
         """The model for evaluation alone (moved to the device, not wrapped), or prepared."""
         if evaluation_mode:
+            self._amp(model)
             return model.to(self.env.device)
         return self._prepare_model(model, None).model
+
+    def _amp(self, model: nn.Module, engine: Any = None) -> None:
+        """The forward in mixed precision as Accelerate makes it (outputs in fp32); no
+        autocast where the engine casts the parameters."""
+        from shardwise import precision as precisions
+        from shardwise.step import forward_autocast
+
+        if self.plan.precision == "fp32":
+            return
+        amp_forward(model, precisions.autocast(self.plan.precision, self.env.device)
+                    if engine is None else
+                    forward_autocast(engine, self.plan.precision, self.env.device))
 
     def _prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
                        ) -> Bundle:
@@ -315,6 +335,7 @@ class ShardwiseAccelerator:
             raise NotImplementedError("an optimizer stepped by another (ZeRO-1) under the Trainer "
                                       "on shardwise is not supported yet")
         self.bundle = bundle
+        self._amp(bundle.engine.unwrap(bundle.model), bundle.engine)
         self.state = attrs.evolve(self.state, mixed_precision=bundle.plan.precision)
         bridge_accelerate_state(self.env, bundle.plan.precision)
         self._models.append(bundle.model)
@@ -326,7 +347,7 @@ class ShardwiseAccelerator:
         dropout draws the same numbers), over the pipeline's data ranks."""
         data, env = self.data, self.env
         if foreign_sampler(loader) and env.is_distributed:
-            return _Tracked(split_as_accelerate(loader, env, self.plan), self)
+            return _Tracked(split_as_accelerate(loader, env, self.plan), self, foreign=True)
         sharded = data(Bundle(model=nn.Identity(), loader=loader, env=env, plan=self.plan)).loader
         assert isinstance(sharded, DeviceLoader)
         return _Tracked(sharded, self)
@@ -467,9 +488,11 @@ class ShardwiseAccelerator:
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
         """The user's module inside the engine's wrapper (a model not prepared: itself)."""
-        if self.bundle is None or model is not self.bundle.model:
-            return model
-        return self.bundle.engine.unwrap(model)
+        inner = model if self.bundle is None or model is not self.bundle.model else \
+            self.bundle.engine.unwrap(model)
+        if not keep_fp32_wrapper:
+            restore_forward(inner)
+        return inner
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The module's state dict, each tensor whole (gathered where sharded)."""
@@ -490,4 +513,8 @@ class ShardwiseAccelerator:
             dist.barrier()
 
     def end_training(self) -> None:
-        """Nothing to close: trackers are the Trainer's callbacks."""
+        """Leave the process group, as Accelerate's does (``Trainer.end()`` at a script's end;
+        trackers are the Trainer's callbacks): a background save is joined first."""
+        leave_group()  # the group shardwise started: the ranks meet, then it is destroyed
+        if dist.is_initialized():
+            dist.destroy_process_group()

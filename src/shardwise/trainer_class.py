@@ -5,9 +5,9 @@ The seam is the Trainer's own ``create_accelerator_and_postprocess``: it builds 
 the Trainer calls for every distributed mechanic. On shardwise it builds a
 :class:`~shardwise.trainer_accelerator.ShardwiseAccelerator` from the same TrainingArguments
 (read as :func:`shardwise.from_training_args` reads them, without the ``sw.fit`` options).
-The forward's autocast comes from the pipeline's precision through
-``autocast_smart_context_manager``, which the Trainer leaves to Accelerate, and a resumed
-epoch starts part-way through its order (``get_resumed_dataloader``): three public hooks of
+The prepared model's forward runs in the pipeline's precision with its outputs in fp32, as
+Accelerate makes it (the Trainer's loss outside the model is fp32 on both), and a resumed
+epoch starts part-way through its order (``get_resumed_dataloader``): two public hooks of
 the Trainer. For a sharded model (FSDP2) four of its checkpoint steps (``_save``,
 ``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``, ``_load_best_model``)
 go through :mod:`shardwise.trainer_checkpoint`, which gathers whole tensors into the
@@ -18,7 +18,6 @@ Trainer's.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from typing import Any
@@ -92,12 +91,6 @@ def _create_accelerator(self: Any) -> None:
     self.is_fsdp_enabled = False
     if pipe.env.rank == 0:  # the Trainer's console: what runs, once, before training
         print(pipe.explain(), flush=True)
-
-
-def _autocast(self: Any, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager[Any]:
-    """The forward's autocast at the pipeline's precision (the Trainer asks Accelerate's
-    wrapped model for it; shardwise gives it here)."""
-    return self.accelerator.autocast()
 
 
 def _resumed(base: type) -> Any:
@@ -174,7 +167,6 @@ def on_shardwise(cls: type) -> type:
     if getattr(cls, "_on_shardwise", False):
         return cls
     namespace = {"create_accelerator_and_postprocess": _create_accelerator,
-                 "autocast_smart_context_manager": _autocast,
                  "get_resumed_dataloader": _resumed(cls), **_checkpoints(cls),
                  "_on_shardwise": True,
                  "__module__": cls.__module__, "__doc__": cls.__doc__}

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint install
+.PHONY: demo test test-fast lint install
 
 install: $(STAMP)
 
@@ -26,3 +26,9 @@ lint: $(STAMP)
 test: lint
 	OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions \
 		$(VENV)/bin/pytest -q --durations=25
+
+# the tests that start no process (tests/_tiers.py marks the others), without lint: the
+# daily tier, a couple of minutes on 2 cores; `make test` stays the whole suite (CI)
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions \
+		$(VENV)/bin/pytest -q -m "not processes and not long" --durations=10

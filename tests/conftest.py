@@ -8,6 +8,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+from _tiers import marks_of  # tests/ is on the path (pytest's rootdir)
 from torch.utils.data import DataLoader
 
 import shardwise as sw
@@ -221,3 +222,17 @@ def lm_and_adamw():
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=64, dim=16, heads=2, layers=2)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test by what it starts (``tests/_tiers.py``): ``processes`` and
+    ``many_ranks``; ``make test-fast`` deselects the first."""
+    from pathlib import Path
+
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is None:
+            continue
+        for mark in marks_of(Path(str(item.fspath)), function.__name__,
+                             list(getattr(item, "fixturenames", ()))):
+            item.add_marker(getattr(pytest.mark, mark))

@@ -11,8 +11,8 @@ from typing import Any
 
 from shardwise.env import Env
 from shardwise.memory import SAFE_FRACTION
-from shardwise.mesh import layout_of as mesh_layout_of
-from shardwise.transforms.base import Transform, plan_of
+from shardwise.mesh import MeshLayout
+from shardwise.transforms.base import Transform, plan_for
 
 __all__ = ["describe"]
 
@@ -21,14 +21,14 @@ def describe(env: Env, steps: list[tuple[Transform, str | None]], *, choose_dist
              on_nonfinite: str, notes: Iterable[str], fit_options: Mapping[str, Any]) -> str:
     """The pipeline of ``steps`` (each transform and why it is there) on ``env``, in words."""
     transforms = [t for t, _ in steps]
-    plan = plan_of(transforms)
+    plan = plan_for(env, transforms)  # its layout: what every line below reads
     lines = [f"shardwise pipeline: {env.world_size} process(es) ({env.launcher}), "
              f"rank {env.rank}, device {env.device}, backend {env.backend}"]
     for i, (t, reason) in enumerate(steps, 1):
         why = f"  [{reason}]" if reason else ""
         lines.append(f"  {i}. {t.stage.name.lower():<15} {t!r}{why}")
         lines.append(f"     {'':<15} -> {t.describe_in(env, plan)}")
-    lines += _mesh_lines(env, transforms)
+    lines += _mesh_lines(env, plan.mesh)
     if choose_distribution:
         lines.append(f"  distribution: chosen per model when called ({env.world_size} "
                      "processes, none given): replicate if it fits in "
@@ -54,9 +54,8 @@ def describe(env: Env, steps: list[tuple[Transform, str | None]], *, choose_dist
     return "\n".join(lines)
 
 
-def _mesh_lines(env: Env, transforms: Iterable[Transform]) -> list[str]:
+def _mesh_lines(env: Env, mesh: MeshLayout | None) -> list[str]:
     """The mesh, its dimensions and why, when the pipeline has more than one."""
-    mesh = mesh_layout_of(env, transforms)
     if mesh is None or mesh.copies == 1:  # data dimensions alone: said by shard()
         return []
     data = mesh.data_ranks(env.world_size)

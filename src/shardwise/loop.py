@@ -21,7 +21,6 @@ from shardwise.checkpoint.background import wait_for_saves
 from shardwise.checkpoint.save_load import latest_checkpoint, load, save
 from shardwise.errors import ArgumentError
 from shardwise.loggers import Logger
-from shardwise.mesh import batch_copies
 from shardwise.metrics import reduce
 from shardwise.state import TrainState
 from shardwise.throughput import Meter
@@ -159,7 +158,7 @@ def fit(bundle: Bundle, *, epochs: int | None = None, steps: int | None = None,
     losses: list[torch.Tensor] = []
     boundary, saved, evaluated = state, -1, -1
     env = bundle.env
-    meter = Meter(bundle.engine.unwrap(bundle.model), env, batch_copies(env, bundle.plan.splitting),
+    meter = Meter(bundle.engine.unwrap(bundle.model), env, bundle.plan.copies,
                   peak_flops or device_peak(env, bundle.plan.precision))
 
     if _complete(state, epochs, steps):

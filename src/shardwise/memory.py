@@ -20,7 +20,7 @@ from shardwise.env import Env
 from shardwise.policies import Policy, select
 from shardwise.precision import Precision
 from shardwise.transforms.activation_checkpointing import CheckpointActivations
-from shardwise.transforms.base import Distribution, Transform, plan_of
+from shardwise.transforms.base import Distribution, Transform, plan_for
 from shardwise.transforms.optimizer_sharding import ShardOptimizer
 from shardwise.transforms.replication import replicate
 
@@ -239,11 +239,10 @@ def split_default(env: Env, transforms: Sequence[Transform]) -> tuple[list[Trans
     splitting = [t for t in transforms if {"pp", "tp"} & set(t.mesh_dims())]
     if not splitting or not env.is_distributed:
         return None
-    from shardwise.mesh import layout_of
     from shardwise.transforms.sharding import shard
 
-    mesh = layout_of(env, transforms)
-    block = mesh.pp * mesh.tp if mesh is not None else 1
+    plan = plan_for(env, transforms)
+    block = plan.size("pp") * plan.size("tp")
     holders = env.world_size // block
     names = " x ".join(type(t).factory_name for t in splitting)
     reason = (f"default: {names} groups of {block} ranks leave {holders} rank(s) holding each "
@@ -251,7 +250,7 @@ def split_default(env: Env, transforms: Sequence[Transform]) -> tuple[list[Trans
     if holders == 1:
         return [], reason
     reason += "; DDP runs neither pipeline stages nor DTensor layers, so shard()"
-    staged = plan_of(transforms).pipeline_parallel
+    staged = plan.pipeline_parallel
     chosen = staged.data_shard() if staged is not None else shard()
     if not chosen.reshard_after_forward:
         reason += (", its parameters kept gathered through the step: the zero-bubble "
@@ -263,13 +262,13 @@ def engine_of(transforms: Sequence[Transform], env: Env) -> Engine:
     """The engine ``transforms`` would put in a bundle under ``env`` (none given: replicate,
     or under tensor or pipeline parallelism shard() over the data ranks, or the splitting
     transform's own engine when its groups span the world)."""
-    plan = plan_of(transforms)
+    plan = plan_for(env, transforms)
     distribution = next((t for t in transforms if isinstance(t, Distribution)), None)
     default = split_default(env, transforms)
     if distribution is None and default is not None:
         if not default[0]:
             if plan.tensor_parallel is not None:
-                return plan.tensor_parallel.engine(env)
+                return plan.tensor_parallel.engine(env, plan)
             from shardwise.engines import LocalEngine
 
             return LocalEngine()  # each rank its stages, nothing shared
@@ -296,10 +295,10 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
 
     model = unwrap(model)
     engine = engine_of(transforms, env)  # one process, or FSDP2 over each stage's data ranks
-    sliced = plan.context_parallel.group_size(env) if plan.context_parallel is not None else 1
+    sliced = plan.size("cp")
     ckpt = next((t for t in transforms if isinstance(t, CheckpointActivations)), None)
-    size, per, count = staged.group_size(env), staged.per_rank, staged.microbatch_count(env)
-    split = staged.split_for(model, env)
+    size, per, count = plan.size("pp"), staged.per_rank, staged.microbatch_count(plan)
+    split = staged.split_for(model, plan)
     order = schedule_order(staged.schedule, size, per, count)
     trained = ({id(p) for g in optimizer.param_groups for p in g["params"]}
                if optimizer is not None else {id(p) for p in model.parameters() if p.requires_grad})
@@ -377,9 +376,9 @@ def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transf
     if env is None:
         env = getattr(pipeline, "env", None) or Env()
     transforms = _transforms(pipeline)
-    plan = plan_of(transforms)
+    plan = plan_for(env, transforms)
     staged = plan.pipeline_parallel
-    if staged is not None and env.is_distributed and staged.group_size(env) > 1:
+    if staged is not None and env.is_distributed and plan.size("pp") > 1:
         return _staged(model, staged, env, plan, transforms, batch, optimizer)
     engine = engine_of(transforms, env)
     ckpt = next((t for t in transforms if isinstance(t, CheckpointActivations)), None)
@@ -393,7 +392,7 @@ def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transf
         activations, missing = _activations(model, batch, plan.precision,
                                             ckpt.policy if ckpt is not None else None)
     layout = parts.layout + (" + activation checkpointing" if ckpt is not None else "")
-    split = plan.context_parallel.group_size(env) if plan.context_parallel is not None else 1
+    split = plan.size("cp")
     if split > 1:  # each rank a 1/split slice of every sequence (and, in attention, of the heads)
         layout += f" + context parallel over {split} (activations of the whole batch / {split})"
         activations = -(-activations // split) if activations is not None else None

@@ -5,8 +5,10 @@
 The layout is decided here and nowhere else: each transform declares the dimensions it runs
 on (:meth:`~shardwise.transforms.base.Transform.mesh_dims`: ``shard()`` the data dimensions,
 ``tensor_parallel`` ``tp``), :func:`layout_of` sizes them (the only place a size is worked
-out), the pipeline builds the one mesh, and the transforms, the data split, the memory
-estimate and ``explain()`` ask it by name. ``tp`` is the innermost dimension, so the ranks
+out), :func:`shardwise.transforms.base.plan_for` works the layout out once, where the plan
+is built, and carries it in the plan (``Plan.mesh``); the pipeline builds the one mesh from
+it, and the transforms, the data split, the step, the memory estimate and ``explain()`` read
+their sizes from that value, by name. ``tp`` is the innermost dimension, so the ranks
 of one tensor-parallel group are consecutive, on one node when a node holds a multiple of the
 group (their collectives run every layer, the data dimensions' once per step); ``cp``
 (context parallel: each rank a slice of every sequence, an exchange around every attention)
@@ -28,7 +30,7 @@ from shardwise.errors import ConflictError, EnvError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MeshLayout", "layout", "layout_of", "tp_size", "build", "batch_copies", "data_mesh",
+__all__ = ["MeshLayout", "layout", "layout_of", "tp_size", "build", "data_mesh",
            "with_dimension", "stage_peers"]
 
 
@@ -174,14 +176,6 @@ def layout_of(env: Env, transforms: Iterable[Any]) -> MeshLayout | None:
             tp * (cp or 1)))
     return layout(env, tp=tp, replicate_across_nodes="dp_replicate" in asked, asked=how,
                   with_tp=with_tp, cp=cp, pp=pp)
-
-
-def batch_copies(env: Env, transforms: Iterable[Any]) -> int:
-    """Ranks that read each batch under ``transforms``: one ``pp x cp x tp`` block of their mesh
-    (1 in one process or without either dimension). The one answer the data split, the
-    step's same-batch check and the throughput meter share."""
-    mesh = layout_of(env, transforms)
-    return mesh.copies if mesh is not None else 1
 
 
 def data_mesh(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:

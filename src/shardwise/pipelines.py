@@ -23,10 +23,9 @@ from shardwise.errors import ArgumentError
 from shardwise.explaining import describe
 from shardwise.memory import split_default
 from shardwise.mesh import build as build_mesh
-from shardwise.mesh import layout_of as mesh_layout_of
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite
-from shardwise.transforms.base import Stage, Transform, check_combination, plan_of
+from shardwise.transforms.base import Stage, Transform, check_combination, plan_for, plan_of
 from shardwise.transforms.data_distribution import DistributeData, distribute_data
 from shardwise.transforms.placement import Place, place
 from shardwise.transforms.precision_policy import MixedPrecision, mixed_precision
@@ -144,7 +143,9 @@ class Pipeline:
             text = self.resolve(model, optimizer, batch=batch, loader=loader).explain()
             staged = next((t for t in self.transforms if "pp" in t.mesh_dims()), None)
             if staged is not None and self.env.is_distributed:  # where this model is cut
-                text += f"\n  stages: {staged.split_for(model, self.env).describe()}"  # type: ignore[attr-defined]
+                plan = plan_for(self.env, self.resolve(model, optimizer, batch=batch,
+                                                       loader=loader).transforms)
+                text += f"\n  stages: {staged.split_for(model, plan).describe()}"  # type: ignore[attr-defined]
             if optimizer is not None:
                 text += f"\n  optimizer: {self._kernel(model, optimizer)}"
             return text
@@ -193,10 +194,12 @@ class Pipeline:
         refuse_state(optimizer)
         resolved = self.resolve(model, optimizer, loader=loader)
         ensure_process_group(self.env)
-        mesh = mesh_layout_of(self.env, resolved.transforms)
+        # the mesh's layout, worked out once here and read by every transform, engine, the
+        # data split and the step from the bundle's plan
+        mesh = plan_for(self.env, resolved.transforms).mesh
         bundle = Bundle(model=model, optimizer=optimizer, loader=loader, eval_loader=eval_loader,
-                        scheduler=scheduler,
-                        env=self.env, plan=Plan(on_nonfinite=self.on_nonfinite), loss_fn=loss_fn,
+                        scheduler=scheduler, env=self.env,
+                        plan=Plan(on_nonfinite=self.on_nonfinite, mesh=mesh), loss_fn=loss_fn,
                         mesh=build_mesh(self.env, mesh) if mesh and self.env.is_distributed
                         else None)
         for transform in resolved.transforms:
@@ -259,6 +262,7 @@ def assemble(env: Env, given: list[Transform], config: Configured | None, *,
     check_combination(transforms)
     for transform in transforms:
         transform.check(env)
+    plan_for(env, transforms)  # a size that does not divide the world: refused here, at once
     steps = [*(Step(t, "config", reason) for t in configured), *(Step(t) for t in given)]
     steps += _defaults(env, transforms)
     distributes = any(t.stage == Stage.DISTRIBUTION for t in transforms)

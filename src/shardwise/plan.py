@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 import torch
 
+from shardwise.mesh import MeshLayout
 from shardwise.precision import Precision
 from shardwise.state import OnNonFinite
 
@@ -43,6 +44,10 @@ class Plan:
         local_sgd_every: local SGD: gradients stay on each rank and the replicas' parameters
             are averaged every this many optimizer steps (None: gradients averaged each step).
         applied: the transforms applied so far, in order.
+        mesh: the mesh's layout, the one value every part reads its sizes from: worked out
+            once from every transform's declared dimensions and the env where the pipeline
+            builds the plan (:func:`shardwise.transforms.base.plan_for`); None in one process
+            or without a mesh dimension.
     """
 
     precision: Precision = "fp32"
@@ -57,6 +62,16 @@ class Plan:
     pipeline_parallel: Any = None
     local_sgd_every: int | None = None
     applied: tuple[Any, ...] = ()
+    mesh: MeshLayout | None = None
+
+    def size(self, dim: str) -> int:
+        """Ranks along mesh dimension ``dim`` ("tp", "cp", "pp", ...): 1 without it."""
+        return self.mesh.size(dim) if self.mesh is not None else 1
+
+    @property
+    def copies(self) -> int:
+        """Ranks that read each batch: one ``pp x cp x tp`` block of the mesh (1 without)."""
+        return self.mesh.copies if self.mesh is not None else 1
 
     @property
     def splitting(self) -> tuple[Any, ...]:

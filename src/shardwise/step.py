@@ -26,7 +26,6 @@ from shardwise.engines.step_hooks import (
 )
 from shardwise.env import Env
 from shardwise.errors import NonFiniteError, OptimizerError
-from shardwise.mesh import batch_copies
 from shardwise.plan import LossFn, Plan
 from shardwise.pp_schedule import PipelineRun
 from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
@@ -99,7 +98,7 @@ class Stepper:
             loss_fn=loss_fn, plan=plan, env=env,
             autocast=forward_autocast(engine, plan.precision, env.device), params=params,
             param_device=engine.local(params[0]).device if params else env.device,
-            copies=batch_copies(env, plan.splitting) if joined else 1,
+            copies=plan.copies if joined else 1,
             # each stage of a pipeline counts the batch's tokens (shared over the group)
             synced=engine.gradient_ranks(env) * copies * (stages.size if stages else 1)
             if joined else 1, stages=stages)

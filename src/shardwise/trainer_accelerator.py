@@ -43,7 +43,7 @@ from shardwise.trainer_accelerate import (
     skip_batches,
     split_as_accelerate,
 )
-from shardwise.transforms.base import plan_of
+from shardwise.transforms.base import plan_for
 from shardwise.transforms.data_distribution import DistributeData
 
 __all__ = ["ShardwiseAccelerator"]
@@ -155,7 +155,7 @@ class ShardwiseAccelerator:
                          DistributeData(split="batches", global_seed=True))
         # what the pipeline's settings record (the tensor-parallel mesh the data splits by),
         # known before the model is prepared: the Trainer prepares its loaders first
-        self.plan = plan_of(pipe.transforms)
+        self.plan = plan_for(pipe.env, pipe.transforms)
         # TrainingArguments started the group (Accelerate's PartialState) and leave it standing
         leave_at_exit()
         bridge_accelerate_state(self.env, self.plan.precision)

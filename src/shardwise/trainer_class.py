@@ -28,6 +28,7 @@ from shardwise._text import short
 from shardwise.configured import trainer_pipeline
 from shardwise.errors import ArgumentError, ConfigError, EnvError
 from shardwise.trainer_accelerator import ShardwiseAccelerator
+from shardwise.transforms.base import plan_for
 
 __all__ = ["TESTED_TRANSFORMERS", "Trainer", "on_shardwise"]
 
@@ -73,10 +74,7 @@ def _create_accelerator(self: Any) -> None:
     _check_version()
     _refuse_not_yet(self.args)
     pipe = trainer_pipeline(self.args)
-    from shardwise.transforms.context_parallelism import ContextParallel
-
-    split = [t for t in pipe.transforms if isinstance(t, ContextParallel)]
-    if split and split[0].group_size(pipe.env) > 1:  # the Trainer's loss sees whole sequences
+    if plan_for(pipe.env, pipe.transforms).size("cp") > 1:  # the Trainer's loss: whole sequences
         raise ConfigError.at("TrainingArguments", "parallelism_config's cp_size/sp_size is not "
                              "supported by the Trainer on shardwise yet (its compute_loss runs "
                              "the model on whole sequences, which context_parallel would split "

@@ -171,7 +171,10 @@ def two_ranks(root):
 def four_ranks():
     return {"cp4": train([sw.context_parallel(size=4)]),
             "dp2_cp2": train([sw.context_parallel(size=2), sw.shard()], data_ranks=2),
-            "cp2_tp2": train([sw.context_parallel(size=2), sw.tensor_parallel(size=2)])}
+            "cp2_tp2": train([sw.context_parallel(size=2), sw.tensor_parallel(size=2)]),
+            # size=None: sized from the pipeline's one layout beside tp=2 (2 ranks); it sized
+            # itself alone (4) and asked for cp=4 on a cp=2 mesh
+            "cp_tp2": train([sw.context_parallel(), sw.tensor_parallel(size=2)])}
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +241,9 @@ def test_context_parallel_on_four_ranks_equals_one_process(reference):
         _same(rank["cp4"], reference)
         _same(rank["dp2_cp2"], reference)
         _same(rank["cp2_tp2"], reference)
+        _same(rank["cp_tp2"], reference)
     assert "dp_shard=2 x cp=2" in runs[0]["dp2_cp2"]["explain"]
+    assert "cp dimension (2 ranks)" in runs[0]["cp_tp2"]["explain"]
     assert "dp_shard=1 x cp=2 x tp=2" in runs[0]["cp2_tp2"]["explain"]
 
 

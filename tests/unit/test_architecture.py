@@ -406,7 +406,10 @@ def test_the_combinator_knows_no_config_format():
 
 def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
     """Transforms declare the dimensions they run on (``mesh_dims``); only ``mesh.py`` sizes
-    them (``layout``, ``tp_size``) and nothing recognises a transform by its name to do so."""
+    them (``layout``, ``tp_size``), the layout is worked out only where a plan is built
+    (``layout_of`` in ``transforms/base.py``: ``plan_for``, and a transform applied by hand)
+    and every other part reads it from the plan; nothing recognises a transform by its name
+    to do so."""
     found = []
     for path in SRC.rglob("*.py"):
         if module_name(path) == "shardwise.mesh":
@@ -414,7 +417,11 @@ def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
                 name = ast.unparse(node.func)
-                if name in ("layout", "mesh.layout", "tp_size") or name.endswith(".size_for"):
+                if name in ("layout", "mesh.layout", "tp_size", "batch_copies") or \
+                        name.endswith((".size_for", ".group_size")):
+                    found.append(f"{module_name(path)}: {ast.unparse(node)[:60]}")
+                if name.endswith("layout_of") and \
+                        module_name(path) != "shardwise.transforms.base":
                     found.append(f"{module_name(path)}: {ast.unparse(node)[:60]}")
             if isinstance(node, ast.Compare) and "factory_name" in ast.unparse(node) and \
                     "tensor_parallel" in ast.unparse(node):
@@ -433,10 +440,11 @@ def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
     assert cp.dims == (("dp_shard", 4), ("cp", 2))
     assert (cp.copies, cp.data_ranks(8), [cp.data_rank(r) for r in range(4)]) == (2, 4, [0, 0, 1, 1])
     from shardwise.errors import EnvError
-    from shardwise.mesh import batch_copies, layout
+    from shardwise.mesh import layout
+    from shardwise.transforms.base import plan_for
 
-    assert batch_copies(sw.Env(world_size=8, local_world_size=8), [sw.context_parallel(size=4)]) == 4
-    assert batch_copies(sw.Env(), [sw.context_parallel(size=4)]) == 1  # one process
+    assert plan_for(sw.Env(world_size=8, local_world_size=8), [sw.context_parallel(size=4)]).copies == 4
+    assert plan_for(sw.Env(), [sw.context_parallel(size=4)]).copies == 1  # one process
     assert layout(sw.Env(world_size=8, local_world_size=8), tp=2, cp=2).dims == (
         ("dp_shard", 2), ("cp", 2), ("tp", 2))
     with pytest.raises(EnvError, match="context_parallel\\(size=3\\)"):

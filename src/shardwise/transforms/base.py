@@ -13,9 +13,10 @@ from shardwise.bundle import Bundle
 from shardwise.engines import Engine
 from shardwise.env import Env
 from shardwise.errors import ConflictError
+from shardwise.mesh import layout_of
 from shardwise.plan import Plan
 
-__all__ = ["Stage", "Transform", "Distribution", "plan_of", "check_combination"]
+__all__ = ["Stage", "Transform", "Distribution", "plan_of", "plan_for", "check_combination"]
 
 
 class Stage(enum.IntEnum):
@@ -116,6 +117,9 @@ class Transform:
         check_combination([*applied, self], applied=True)
         self.check(bundle.env)
         plan = attrs.evolve(self.record(bundle.plan), applied=(*bundle.plan.applied, self))
+        if plan.mesh is None and bundle.env.is_distributed and self.mesh_dims():
+            # applied by hand: the layout of what is applied so far (a pipeline gives its own)
+            plan = attrs.evolve(plan, mesh=layout_of(bundle.env, plan.applied))
         return attrs.evolve(bundle, plan=plan)
 
 
@@ -136,6 +140,18 @@ def plan_of(transforms: Iterable[Transform], plan: Plan | None = None) -> Plan:
     for transform in sorted(transforms, key=lambda t: t.stage):
         plan = transform.record(plan or Plan())
     return plan or Plan()
+
+
+def plan_for(env: Env, transforms: Iterable[Transform]) -> Plan:
+    """The plan of ``transforms`` under ``env`` with its mesh layout: the one place the
+    layout is worked out (a transform left at ``size=None`` is sized here, beside the
+    others). The pipeline, ``explain()`` and the memory estimate take it from here.
+
+    Raises:
+        EnvError: the world does not divide into the groups the transforms ask for.
+    """
+    transforms = list(transforms)
+    return attrs.evolve(plan_of(transforms), mesh=layout_of(env, transforms))
 
 
 def factory_repr(name: str, obj: object) -> str:

@@ -14,9 +14,9 @@ from shardwise.context_split import ContextSplit
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import layout_of, with_dimension
+from shardwise.mesh import with_dimension
 from shardwise.plan import Plan
-from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.base import Stage, Transform, plan_for
 
 __all__ = ["ContextParallel", "context_parallel", "METHODS"]
 
@@ -82,15 +82,6 @@ class ContextParallel(Transform):
     def mesh_dims(self) -> dict[str, int | None]:
         return {"cp": self.size}
 
-    def group_size(self, env: Env) -> int:
-        """Ranks per group under ``env``: the ``cp`` dimension of its mesh (1 in one process)."""
-        mesh = layout_of(env, [self])
-        return mesh.cp if mesh is not None else 1
-
-    def check(self, env: Env) -> None:
-        """Raises EnvError when the size does not divide the world (several processes)."""
-        layout_of(env, [self])
-
     def record(self, plan: Plan) -> Plan:
         return attrs.evolve(plan, context_parallel=self)
 
@@ -103,25 +94,27 @@ class ContextParallel(Transform):
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         env = bundle.env
-        layout = layout_of(env, [self])
-        size = layout.cp if layout is not None else 1
+        size = bundle.plan.size("cp")  # the pipeline's layout: this size is read, never worked out
         if not env.is_distributed or size == 1:
             return bundle
         if bundle.context is not None:
             raise ConflictError(f"{self!r}: the bundle splits sequences already")
         ensure_process_group(env)
-        mesh = with_dimension(bundle.mesh, env, layout, "cp", size, repr(self))
+        mesh = with_dimension(bundle.mesh, env, bundle.plan.mesh, "cp", size, repr(self))
         cp = mesh["cp"]
         split = ContextSplit(cp.get_group(), int(cp.get_local_rank()), size, self.method)
-        tensor = bundle.plan.tensor_parallel  # each rank's heads are 1/tp of them already
-        hook_attention(bundle.model, split, tensor.group_size(env) if tensor is not None else 1)
+        # each rank's heads are 1/tp of them already
+        hook_attention(bundle.model, split, bundle.plan.size("tp"))
         # under pipeline_parallel (applied first) the stages run the slices
         stages = attrs.evolve(bundle.stages, context=split) if bundle.stages is not None \
             else None
         return attrs.evolve(bundle, mesh=mesh, context=split, stages=stages)
 
     def describe(self, env: Env) -> str:
-        size = self.group_size(env)
+        return self.describe_in(env, plan_for(env, [self]))
+
+    def describe_in(self, env: Env, plan: Plan) -> str:
+        size = plan.size("cp")
         if not env.is_distributed or size == 1:
             return "one rank per group: whole sequences"
         return (f"Ulysses over the mesh's cp dimension ({size} ranks): each rank a 1/{size} "

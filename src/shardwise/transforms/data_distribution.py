@@ -12,7 +12,7 @@ from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader, shard_loader
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, DataError
-from shardwise.mesh import MeshLayout, layout_of
+from shardwise.mesh import MeshLayout
 from shardwise.plan import Plan
 from shardwise.transforms._checks import boolean, integer, optional_boolean
 from shardwise.transforms.base import Stage, Transform
@@ -89,9 +89,10 @@ class DistributeData(Transform):
 
     @staticmethod
     def mesh(env: Env, plan: Plan) -> MeshLayout | None:
-        """The mesh whose data ranks split the data: a pipeline-, tensor- or context-parallel
-        one (else None: all ranks read different shares)."""
-        return layout_of(env, plan.splitting) if plan.splitting else None
+        """The mesh whose data ranks split the data: the plan's layout when a pipeline-,
+        tensor- or context-parallel block reads each batch (else None: all ranks read
+        different shares)."""
+        return plan.mesh if plan.copies > 1 else None
 
     def describe_in(self, env: Env, plan: Plan) -> str:
         mesh = self.mesh(env, plan)

@@ -15,7 +15,7 @@ from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import layout_of, with_dimension
+from shardwise.mesh import with_dimension
 from shardwise.meta_init import is_rank0_weights
 from shardwise.plan import Plan
 from shardwise.pp_schedule import (
@@ -28,7 +28,7 @@ from shardwise.pp_schedule import (
     stages_on,
 )
 from shardwise.pp_stages import StageSplit, check_views, decoder_parts, prune, split_of, stage_modules
-from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.base import Stage, Transform, plan_for
 
 __all__ = ["PipelineParallel", "pipeline_parallel"]
 
@@ -139,23 +139,15 @@ class PipelineParallel(Transform):
     def mesh_dims(self) -> dict[str, int | None]:
         return {"pp": self.size}
 
-    def group_size(self, env: Env) -> int:
-        """Ranks per group under ``env``: the ``pp`` dimension of its mesh (1 in one process)."""
-        mesh = layout_of(env, [self])
-        return mesh.pp if mesh is not None else 1
-
     @property
     def per_rank(self) -> int:
         """Stages each rank holds."""
         return self.stages_per_rank or (2 if self.schedule in MULTI else 1)
 
-    def microbatch_count(self, env: Env) -> int:
-        """Microbatches per batch: as given, or the pipeline's number of stages."""
-        return self.microbatches or self.group_size(env) * self.per_rank
-
-    def check(self, env: Env) -> None:
-        """Raises EnvError when the size does not divide the world."""
-        layout_of(env, [self])
+    def microbatch_count(self, plan: Plan) -> int:
+        """Microbatches per batch: as given, or the pipeline's number of stages (``plan``'s
+        layout gives the ranks)."""
+        return self.microbatches or plan.size("pp") * self.per_rank
 
     def record(self, plan: Plan) -> Plan:
         return attrs.evolve(plan, pipeline_parallel=self)
@@ -201,14 +193,15 @@ class PipelineParallel(Transform):
                     "beside it, which keeps them gathered for the step")
         return None
 
-    def split_for(self, model: nn.Module, env: Env) -> StageSplit:
-        """Where ``model`` is cut under ``env`` (for ``explain`` and the memory estimate)."""
-        return split_of(unwrap(model), self.group_size(env) * self.per_rank, self.split)
+    def split_for(self, model: nn.Module, plan: Plan) -> StageSplit:
+        """Where ``model`` is cut under ``plan``'s layout (for ``explain`` and the memory
+        estimate)."""
+        return split_of(unwrap(model), plan.size("pp") * self.per_rank, self.split)
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
-        env, model = bundle.env, bundle.model
-        size = self.group_size(env)
+        env, model, plan = bundle.env, bundle.model, bundle.plan
+        size = plan.size("pp")  # the pipeline's layout: this size is read, never worked out
         if not env.is_distributed or size == 1:
             return bundle
         if bundle.loss_fn is not None:
@@ -232,16 +225,16 @@ class PipelineParallel(Transform):
                                 "normally")
         refuse_state(bundle.optimizer)
         ensure_process_group(env)
-        layout = layout_of(env, [self])
-        mesh = with_dimension(bundle.mesh, env, layout, "pp", size, repr(self))
-        split = self.split_for(model, env)
+        mesh = with_dimension(bundle.mesh, env, plan.mesh, "pp", size, repr(self))
+        split = self.split_for(model, plan)
         if split.kind == "sequential" and self.loss is None:
             raise ConflictError(f"{self!r}: an nn.Sequential has no loss of its own; pass "
                                 "pipeline_parallel(loss=lambda output, target: ...)")
-        self._check_schedule(size, self.microbatch_count(env))
+        microbatches = self.microbatch_count(plan)
+        self._check_schedule(size, microbatches)
         batch_size = _loader_batch_size(bundle.loader)
-        if batch_size is not None and self.microbatch_count(env) > batch_size:
-            raise ArgumentError(f"{self!r}: {self.microbatch_count(env)} microbatches for the "
+        if batch_size is not None and microbatches > batch_size:
+            raise ArgumentError(f"{self!r}: {microbatches} microbatches for the "
                                 f"loader's batches of {batch_size} samples: each microbatch needs "
                                 f"a sample; microbatches must be at most the batch size "
                                 f"({batch_size})")
@@ -256,17 +249,20 @@ class PipelineParallel(Transform):
             model.to(env.device)
         _keep_held(bundle.optimizer, model)
         run = PipelineRun(group=mesh["pp"].get_group(), rank=rank, size=size,
-                          schedule=self.schedule, microbatches=self.microbatch_count(env),
+                          schedule=self.schedule, microbatches=microbatches,
                           stages=mine, modules=stage_modules(model, split, mine),
                           total=split.stages, kind=split.kind, loss=self.loss,
                           device=env.device, group_sizes=groups, batch_size=batch_size)
         return attrs.evolve(bundle, mesh=mesh, stages=run)
 
     def describe(self, env: Env) -> str:
-        size = self.group_size(env)
+        return self.describe_in(env, plan_for(env, [self]))
+
+    def describe_in(self, env: Env, plan: Plan) -> str:
+        size = plan.size("pp")
         if not env.is_distributed or size == 1:
             return "one rank per group: every layer on every rank"
-        stages, micro = size * self.per_rank, self.microbatch_count(env)
+        stages, micro = size * self.per_rank, self.microbatch_count(plan)
         cut = "balanced by parameter count" if self.split == "auto" else \
             f"at {', '.join(self.split)}"
         idle = bubble(self.schedule, size, self.per_rank, micro)

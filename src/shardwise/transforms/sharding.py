@@ -17,8 +17,8 @@ from shardwise.distributed import ensure_process_group
 from shardwise.engines import Engine, FSDPEngine, LocalEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import MeshLayout, data_mesh, layout_of
 from shardwise.mesh import build as build_mesh
+from shardwise.mesh import data_mesh
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
 from shardwise.plan import Plan
 from shardwise.policies import Policy, select
@@ -83,18 +83,12 @@ class Shard(Distribution):
         return {"dp_replicate": None, "dp_shard": None} if self.replicate_across_nodes \
             else {"dp_shard": None}
 
-    def _layout(self, env: Env, plan: Plan) -> MeshLayout | None:
-        """The pipeline's mesh for this shard() and the plan's tensor_parallel, if any."""
-        return layout_of(env, [self, *plan.splitting])
-
     def engine(self, env: Env, plan: Plan) -> Engine:
         """The engine this transform puts in the bundle (settings only, nothing is built)."""
         if not env.is_distributed:
             return LocalEngine()
         tensor = plan.tensor_parallel
-        mesh = self._layout(env, plan)
-        tp = mesh.tp if mesh is not None else 1
-        pp = mesh.pp if mesh is not None else 1
+        tp, pp = plan.size("tp"), plan.size("pp")  # the plan's layout, read
         return FSDPEngine(world_size=env.world_size, shard_ranks=self.shard_ranks(env, tp * pp),
                           policy=self.policy, reshard_after_forward=self.reshard_after_forward,
                           sync_each_batch=self.sync_each_batch, offload=plan.offload,
@@ -114,7 +108,7 @@ class Shard(Distribution):
             return self.mesh
         mesh = bundle.mesh
         if mesh is None:
-            layout = self._layout(bundle.env, bundle.plan)
+            layout = bundle.plan.mesh
             assert layout is not None  # several processes: shard() declares a dimension
             mesh = build_mesh(bundle.env, layout)
         dims = tuple(d for d in self.mesh_dims())
@@ -173,7 +167,7 @@ class Shard(Distribution):
         return ranks // tp
 
     def describe_in(self, env: Env, plan: Plan) -> str:
-        mesh = self._layout(env, plan)
+        mesh = plan.mesh
         if mesh is not None and mesh.tp > 1:
             return (f"FSDP2 fully_shard on blocks chosen by {self.policy!r}, then the root, over "
                     f"the mesh's data dimension(s) {' x '.join(mesh.data_names)} "

@@ -17,7 +17,7 @@ from shardwise.distributed import all_agree, ensure_process_group
 from shardwise.engines import Engine, LocalEngine, TPEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import layout_of, stage_peers, with_dimension
+from shardwise.mesh import stage_peers, with_dimension
 from shardwise.meta_init import is_rank0_weights
 from shardwise.plan import Plan
 from shardwise.pp_memory import cut_from
@@ -30,7 +30,7 @@ from shardwise.tp_plan import (
     torch_style,
     whole_owners,
 )
-from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.base import Stage, Transform, plan_for
 
 __all__ = ["TensorParallel", "tensor_parallel"]
 
@@ -121,15 +121,6 @@ class TensorParallel(Transform):
     def mesh_dims(self) -> dict[str, int | None]:
         return {"tp": self.size}
 
-    def group_size(self, env: Env) -> int:
-        """Ranks per group under ``env``: the ``tp`` dimension of its mesh (1 in one process)."""
-        mesh = layout_of(env, [self])
-        return mesh.tp if mesh is not None else 1
-
-    def check(self, env: Env) -> None:
-        """Raises EnvError when the size does not divide the world (several processes)."""
-        layout_of(env, [self])
-
     def record(self, plan: Plan) -> Plan:
         return attrs.evolve(plan, tensor_parallel=self)
 
@@ -162,7 +153,7 @@ class TensorParallel(Transform):
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
         env, model = bundle.env, bundle.model
-        size = self.group_size(env)
+        size = bundle.plan.size("tp")  # the pipeline's layout: this size is read, never worked out
         if not env.is_distributed or size == 1:
             return bundle
         if any(is_dtensor(p) for p in model.parameters()) or \
@@ -177,8 +168,7 @@ class TensorParallel(Transform):
         ensure_process_group(env)
         chosen = self._resolved_everywhere(model, size, bundle.plan.pipeline_parallel is not None,
                                            env)
-        layout = layout_of(env, [self])
-        mesh = with_dimension(bundle.mesh, env, layout, "tp", size, repr(self))
+        mesh = with_dimension(bundle.mesh, env, bundle.plan.mesh, "tp", size, repr(self))
         names = param_names(model)
         if not all(p.is_meta for p in model.parameters()):  # a meta model: shapes only
             model.to(env.device)
@@ -192,7 +182,7 @@ class TensorParallel(Transform):
         for name in whole_owners(model, chosen):
             keep_whole(modules[name], mesh["tp"])
         rebind_optimizer(bundle.optimizer, names, model)
-        return attrs.evolve(bundle, mesh=mesh, engine=self.engine(env))
+        return attrs.evolve(bundle, mesh=mesh, engine=self.engine(env, bundle.plan))
 
     def _resolved_everywhere(self, model: nn.Module, size: int, staged: bool, env: Env
                              ) -> dict[str, Any]:
@@ -218,16 +208,19 @@ class TensorParallel(Transform):
                                            "module); fix the plan or the size")
         return chosen
 
-    def engine(self, env: Env) -> Engine:
+    def engine(self, env: Env, plan: Plan) -> Engine:
         """The engine this transform puts in the bundle when no distribution follows it
-        (settings only, nothing is built)."""
-        size = self.group_size(env)
+        (settings only, nothing is built), its size the ``plan``'s layout's."""
+        size = plan.size("tp")
         if not env.is_distributed or size == 1:
             return LocalEngine()
         return TPEngine(tp=size, tensor_parallel=self)
 
     def describe(self, env: Env) -> str:
-        size = self.group_size(env)
+        return self.describe_in(env, plan_for(env, [self]))
+
+    def describe_in(self, env: Env, plan: Plan) -> str:
+        size = plan.size("tp")
         if not env.is_distributed or size == 1:
             return "one rank per group: nothing to split"
         source = "the model's own plan" if self.plan == "auto" else \

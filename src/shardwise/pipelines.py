@@ -166,8 +166,8 @@ class Pipeline:
             return (f"{type(optimizer).__name__} keeps its implementation: under "
                     f"on_nonfinite={self.on_nonfinite!r} or fp16 the finiteness flag is read "
                     "on the host at each optimizer step")
-        own = [t for t in transforms if t.factory_name in ("shard_optimizer", "deepspeed")]
-        if own and self.env.is_distributed or any(t.factory_name == "deepspeed" for t in own):
+        own = [t for t in transforms if t.keeps_optimizer is not None]
+        if own and self.env.is_distributed or any(t.keeps_optimizer == "always" for t in own):
             return (f"{type(optimizer).__name__} keeps its implementation under "
                     f"{own[0].factory_name}(): the finiteness flag is read on the host at "
                     "each optimizer step")

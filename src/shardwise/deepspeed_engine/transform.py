@@ -152,6 +152,7 @@ class DeepSpeed(Distribution):
     steps: int | None = attrs.field(default=None, kw_only=True, validator=_optional_count)
     warmup: float | None = attrs.field(default=None, kw_only=True, validator=_optional_warmup)
     factory_name: ClassVar[str] = "deepspeed"
+    keeps_optimizer: ClassVar[str | None] = "always"
     #: the config, not a pipeline default, decides the precision
     decides_precision: ClassVar[bool] = True
 

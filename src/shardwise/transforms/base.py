@@ -52,6 +52,9 @@ class Transform:
     #: whether it decides how the model is spread over the ranks or kept in step across
     #: them (a layout of its own: the lifecycle tests must cover it)
     distributes: ClassVar[bool] = False
+    #: whether the optimizer keeps its own implementation beside it (no switch to a fused
+    #: kernel): "always", "distributed" (with several processes), or None
+    keeps_optimizer: ClassVar[str | None] = None
 
     def __call__(self, bundle: Bundle) -> Bundle:
         """Apply this transform: a new bundle (the torch objects inside may change in place)."""

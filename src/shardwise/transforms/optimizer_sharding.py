@@ -31,6 +31,7 @@ class ShardOptimizer(Transform):
 
     stage: ClassVar[Stage] = Stage.OPTIMIZER
     factory_name: ClassVar[str] = "shard_optimizer"
+    keeps_optimizer: ClassVar[str | None] = "distributed"
     distributes: ClassVar[bool] = True
 
     def excludes(self) -> dict[str, str]:

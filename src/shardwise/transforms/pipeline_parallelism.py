@@ -184,8 +184,10 @@ class PipelineParallel(Transform):
         return shard(reshard_after_forward=self.schedule not in ZERO_BUBBLE)
 
     def conflicts_with(self, other: Transform) -> str | None:
-        if self.schedule in ZERO_BUBBLE and getattr(other, "factory_name", None) == "shard" \
-                and getattr(other, "reshard_after_forward", False):
+        from shardwise.transforms.sharding import Shard
+
+        if self.schedule in ZERO_BUBBLE and isinstance(other, Shard) \
+                and other.reshard_after_forward:
             return (f"the zero-bubble schedule {self.schedule!r} computes weight gradients after "
                     "later microbatches' forwards, which reshard the stage's parameters under "
                     "reshard_after_forward=True (measured: gradients of the middle stages 0.2-0.4x "

@@ -26,7 +26,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import shardwise as sw
-from shardwise.pp_schedule import SCHEDULES, bubble
+from shardwise.parallel.pp_schedule import SCHEDULES, bubble
 from shardwise.testing import run_distributed
 
 GLOBAL_BATCH = 8

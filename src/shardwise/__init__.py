@@ -61,7 +61,7 @@ PUBLIC: dict[str, str] = {
     **dict.fromkeys(["shard"], "shardwise.transforms.sharding"),
     **dict.fromkeys(["shard_optimizer"], "shardwise.transforms.optimizer_sharding"),
     **dict.fromkeys(["tensor_parallel"], "shardwise.transforms.tensor_parallelism"),
-    **dict.fromkeys(["Trainer", "on_shardwise"], "shardwise.trainer_class"),
+    **dict.fromkeys(["Trainer", "on_shardwise"], "shardwise.trainer.seam"),
 }
 
 try:

@@ -43,8 +43,8 @@ from shardwise.trackers import MLflowTracker as MLflowTracker
 from shardwise.trackers import TrackioTracker as TrackioTracker
 from shardwise.trackers import WandbTracker as WandbTracker
 from shardwise.trackers import register_tracker as register_tracker
-from shardwise.trainer_class import Trainer as Trainer
-from shardwise.trainer_class import on_shardwise as on_shardwise
+from shardwise.trainer.seam import Trainer as Trainer
+from shardwise.trainer.seam import on_shardwise as on_shardwise
 from shardwise.transforms.accumulation import accumulate_gradients as accumulate_gradients
 from shardwise.transforms.activation_checkpointing import checkpoint_activations as checkpoint_activations
 from shardwise.transforms.base import Transform as Transform

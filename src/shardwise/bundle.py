@@ -11,12 +11,12 @@ import attrs
 import torch
 
 from shardwise._text import short
-from shardwise.context_split import ContextSplit
 from shardwise.engines import Engine, LocalEngine
 from shardwise.env import Env, detect
 from shardwise.errors import ArgumentError
+from shardwise.parallel.context_split import ContextSplit
+from shardwise.parallel.pp_schedule import PipelineRun
 from shardwise.plan import LossFn, Plan
-from shardwise.pp_schedule import PipelineRun
 from shardwise.state import OnNonFinite, StepOutput, TrainState
 from shardwise.step import Stepper, predict
 

@@ -19,7 +19,7 @@ from torch.utils.data import (
 
 from shardwise.env import Env
 from shardwise.errors import DataError
-from shardwise.mesh import MeshLayout
+from shardwise.parallel.mesh import MeshLayout
 
 __all__ = ["DeviceLoader", "ResumableSampler", "to_device", "shard_loader", "same_batch"]
 

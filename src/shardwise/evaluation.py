@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from shardwise.bundle import Bundle
-from shardwise.context_split import IGNORE, causal_lm_loss
 from shardwise.data import DeviceLoader
 from shardwise.engines.step_hooks import _loss_of, _sum_and_count, call_model
 from shardwise.errors import ArgumentError, DataError, LossError
 from shardwise.metrics import _real_items
+from shardwise.parallel.context_split import IGNORE, causal_lm_loss
 from shardwise.step import forward_autocast
 
 __all__ = ["evaluate"]

@@ -11,7 +11,7 @@ from typing import Any
 
 from shardwise.env import Env
 from shardwise.memory import SAFE_FRACTION
-from shardwise.mesh import MeshLayout
+from shardwise.parallel.mesh import MeshLayout
 from shardwise.transforms.base import Transform, plan_for
 
 __all__ = ["describe"]

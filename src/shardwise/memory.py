@@ -284,14 +284,14 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
     """The estimate under ``pipeline_parallel``: the rank whose stages need the most, their
     state and their activations for the microbatches the schedule keeps in flight."""
     from shardwise._params import unwrap
-    from shardwise.pp_memory import (
+    from shardwise.parallel.pp_memory import (
         held_modules,
         in_flight,
         microbatch,
         schedule_order,
         stage_activations,
     )
-    from shardwise.pp_schedule import stages_on
+    from shardwise.parallel.pp_schedule import stages_on
 
     model = unwrap(model)
     engine = engine_of(transforms, env)  # one process, or FSDP2 over each stage's data ranks

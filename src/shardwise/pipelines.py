@@ -22,7 +22,7 @@ from shardwise.env import Env
 from shardwise.errors import ArgumentError
 from shardwise.explaining import describe
 from shardwise.memory import split_default
-from shardwise.mesh import build as build_mesh
+from shardwise.parallel.mesh import build as build_mesh
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite
 from shardwise.transforms.base import Stage, Transform, check_combination, plan_for, plan_of

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import torch
 
-from shardwise.mesh import MeshLayout
+from shardwise.parallel.mesh import MeshLayout
 from shardwise.precision import Precision
 from shardwise.state import OnNonFinite
 

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from shardwise import precision as precisions
-from shardwise.context_split import ContextSplit
 from shardwise.data import DeviceLoader, same_batch, to_device
 from shardwise.distributed import collective_failure
 from shardwise.engines.base import Engine
@@ -26,8 +25,9 @@ from shardwise.engines.step_hooks import (
 )
 from shardwise.env import Env
 from shardwise.errors import NonFiniteError, OptimizerError
+from shardwise.parallel.context_split import ContextSplit
+from shardwise.parallel.pp_schedule import PipelineRun
 from shardwise.plan import LossFn, Plan
-from shardwise.pp_schedule import PipelineRun
 from shardwise.state import OnNonFinite, StepOutput, TrainState, check_on_nonfinite
 from shardwise.throughput import batch_counts
 

@@ -486,7 +486,7 @@ def test_a_users_sampler_over_other_ranks_than_the_data_ranks_is_refused():
     from torch.utils.data import DistributedSampler
 
     from shardwise.data import shard_loader
-    from shardwise.mesh import layout
+    from shardwise.parallel.mesh import layout
 
     rank1 = sw.Env(world_size=4, local_world_size=4, rank=1, local_rank=1)
     per_rank = DataLoader(Tokens(), batch_size=2,

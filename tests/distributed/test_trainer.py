@@ -324,7 +324,7 @@ def test_a_trainer_started_by_accelerate_launch_takes_its_config_as_on_accelerat
 
 
 def test_on_shardwise_refuses_what_is_not_a_trainer_and_an_untested_major_version():
-    from shardwise.trainer_class import _check_version
+    from shardwise.trainer.seam import _check_version
 
     with pytest.raises(ArgumentError, match="on_shardwise\\(\\) takes transformers.Trainer"):
         sw.on_shardwise(dict)
@@ -535,8 +535,8 @@ def test_everything_transformers_trl_and_peft_ask_of_the_accelerator_is_answered
     here, naming the file, not in a user's run."""
     import inspect
 
-    from shardwise.trainer_accelerate import REFUSED
-    from shardwise.trainer_accelerator import ShardwiseAccelerator
+    from shardwise.trainer.accelerator import ShardwiseAccelerator
+    from shardwise.trainer.from_accelerate import REFUSED
 
     asked = asked_of_the_accelerator()
     assert {"print", "reduce", "split_between_processes", "gather_for_metrics",

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.errors import ConflictError
+from shardwise.parallel.ulysses import sequence_slice, ulysses_attention
 from shardwise.testing import run_distributed
-from shardwise.ulysses import sequence_slice, ulysses_attention
 
 B, H, S, D = 2, 4, 8, 4
 

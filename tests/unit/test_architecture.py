@@ -412,7 +412,7 @@ def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
     to do so."""
     found = []
     for path in SRC.rglob("*.py"):
-        if module_name(path) == "shardwise.mesh":
+        if module_name(path) == "shardwise.parallel.mesh":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
@@ -426,7 +426,7 @@ def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
             if isinstance(node, ast.Compare) and "factory_name" in ast.unparse(node):
                 found.append(f"{module_name(path)}: {ast.unparse(node)[:60]}")  # by name
     assert found == [], found
-    from shardwise.mesh import layout_of
+    from shardwise.parallel.mesh import layout_of
 
     layout = layout_of(sw.Env(world_size=8, local_world_size=4, num_nodes=2),
                                [sw.shard(replicate_across_nodes=True), sw.tensor_parallel(size=2)])
@@ -439,7 +439,7 @@ def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
     assert cp.dims == (("dp_shard", 4), ("cp", 2))
     assert (cp.copies, cp.data_ranks(8), [cp.data_rank(r) for r in range(4)]) == (2, 4, [0, 0, 1, 1])
     from shardwise.errors import EnvError
-    from shardwise.mesh import layout
+    from shardwise.parallel.mesh import layout
     from shardwise.transforms.base import plan_for
 
     assert plan_for(sw.Env(world_size=8, local_world_size=8), [sw.context_parallel(size=4)]).copies == 4

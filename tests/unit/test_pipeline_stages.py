@@ -5,9 +5,9 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.pp_memory import held_modules, in_flight, schedule_order
-from shardwise.pp_schedule import bubble, stages_on
-from shardwise.pp_stages import check_views, split_of, stage_modules
+from shardwise.parallel.pp_memory import held_modules, in_flight, schedule_order
+from shardwise.parallel.pp_schedule import bubble, stages_on
+from shardwise.parallel.pp_stages import check_views, split_of, stage_modules
 
 pytest.importorskip("transformers")
 

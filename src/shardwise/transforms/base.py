@@ -13,7 +13,7 @@ from shardwise.bundle import Bundle
 from shardwise.engines import Engine
 from shardwise.env import Env
 from shardwise.errors import ConflictError
-from shardwise.mesh import layout_of
+from shardwise.parallel.mesh import layout_of
 from shardwise.plan import Plan
 
 __all__ = ["Stage", "Transform", "Distribution", "plan_of", "plan_for", "check_combination"]
@@ -75,7 +75,7 @@ class Transform:
 
     def mesh_dims(self) -> dict[str, int | None]:
         """The mesh dimensions this transform runs on, each with the size it asks for (None:
-        the size :mod:`shardwise.mesh` works out); {} when it needs no mesh. The pipeline
+        the size :mod:`shardwise.parallel.mesh` works out); {} when it needs no mesh. The pipeline
         builds one mesh from every transform's."""
         return {}
 

@@ -9,12 +9,12 @@ import attrs
 
 from shardwise._text import short
 from shardwise.bundle import Bundle
-from shardwise.context_hooks import hook_attention
-from shardwise.context_split import ContextSplit
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import with_dimension
+from shardwise.parallel.context_hooks import hook_attention
+from shardwise.parallel.context_split import ContextSplit
+from shardwise.parallel.mesh import with_dimension
 from shardwise.plan import Plan
 from shardwise.transforms.base import Stage, Transform, plan_for
 

@@ -12,7 +12,7 @@ from shardwise.bundle import Bundle
 from shardwise.data import DeviceLoader, shard_loader
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, DataError
-from shardwise.mesh import MeshLayout
+from shardwise.parallel.mesh import MeshLayout
 from shardwise.plan import Plan
 from shardwise.transforms._checks import boolean, integer, optional_boolean
 from shardwise.transforms.base import Stage, Transform

@@ -15,10 +15,9 @@ from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import with_dimension
 from shardwise.meta_init import is_rank0_weights
-from shardwise.plan import Plan
-from shardwise.pp_schedule import (
+from shardwise.parallel.mesh import with_dimension
+from shardwise.parallel.pp_schedule import (
     MULTI,
     SCHEDULES,
     V_SHAPED,
@@ -27,7 +26,15 @@ from shardwise.pp_schedule import (
     bubble,
     stages_on,
 )
-from shardwise.pp_stages import StageSplit, check_views, decoder_parts, prune, split_of, stage_modules
+from shardwise.parallel.pp_stages import (
+    StageSplit,
+    check_views,
+    decoder_parts,
+    prune,
+    split_of,
+    stage_modules,
+)
+from shardwise.plan import Plan
 from shardwise.transforms.base import Stage, Transform, plan_for
 
 __all__ = ["PipelineParallel", "pipeline_parallel"]
@@ -87,7 +94,7 @@ class PipelineParallel(Transform):
 
     Args:
         size: ranks per pipeline group; default all ranks of one node.
-        schedule: one of :data:`shardwise.pp_schedule.SCHEDULES` ("GPipe", "1F1B",
+        schedule: one of :data:`shardwise.parallel.pp_schedule.SCHEDULES` ("GPipe", "1F1B",
             "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
             "DualPipeV").
         microbatches: microbatches per batch; default the number of stages. A decoder batch
@@ -167,7 +174,7 @@ class PipelineParallel(Transform):
         Raises:
             ConflictError: torch's schedule refuses this count, with its reason.
         """
-        from shardwise.pp_memory import schedule_order
+        from shardwise.parallel.pp_memory import schedule_order
 
         try:
             schedule_order(self.schedule, size, self.per_rank, microbatches)

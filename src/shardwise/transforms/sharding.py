@@ -17,9 +17,9 @@ from shardwise.distributed import ensure_process_group
 from shardwise.engines import Engine, FSDPEngine, LocalEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import build as build_mesh
-from shardwise.mesh import data_mesh
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
+from shardwise.parallel.mesh import build as build_mesh
+from shardwise.parallel.mesh import data_mesh
 from shardwise.plan import Plan
 from shardwise.policies import Policy, select
 from shardwise.transforms._checks import boolean, to_policy
@@ -103,7 +103,7 @@ class Shard(Distribution):
     def _data_mesh(self, bundle: Bundle) -> DeviceMesh:
         """The mesh to shard over: the data dimensions of the pipeline's one mesh (with split
         layers, FSDP2 needs them and ``tp`` on one parent mesh), the user's own, or, applied
-        by hand outside a pipeline, the mesh :mod:`shardwise.mesh` lays out for it."""
+        by hand outside a pipeline, the mesh :mod:`shardwise.parallel.mesh` lays out for it."""
         if self.mesh is not None:
             return self.mesh
         mesh = bundle.mesh

@@ -17,11 +17,10 @@ from shardwise.distributed import all_agree, ensure_process_group
 from shardwise.engines import Engine, LocalEngine, TPEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.mesh import stage_peers, with_dimension
 from shardwise.meta_init import is_rank0_weights
-from shardwise.plan import Plan
-from shardwise.pp_memory import cut_from
-from shardwise.tp_plan import (
+from shardwise.parallel.mesh import stage_peers, with_dimension
+from shardwise.parallel.pp_memory import cut_from
+from shardwise.parallel.tp_plan import (
     check_plan_value,
     local_shapes,
     model_plan,
@@ -30,6 +29,7 @@ from shardwise.tp_plan import (
     torch_style,
     whole_owners,
 )
+from shardwise.plan import Plan
 from shardwise.transforms.base import Stage, Transform, plan_for
 
 __all__ = ["TensorParallel", "tensor_parallel"]

@@ -99,7 +99,7 @@ def resolve(model: nn.Module, plan: Mapping[str, Any], size: int) -> dict[str, A
         ConflictError: a pattern that matches no module, a module torch cannot split, a
             dimension that does not divide by ``size``, heads that do not, a tied weight.
     """
-    from shardwise.pp_stages import Elsewhere, all_module_names
+    from shardwise.parallel.pp_stages import Elsewhere, all_module_names
 
     # under pipeline_parallel a rank holds its stages' modules; the others are Elsewhere
     modules = {n: m for n, m in model.named_modules() if not isinstance(m, Elsewhere)}

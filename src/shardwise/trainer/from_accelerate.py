@@ -1,6 +1,6 @@
 # What of Accelerate itself the Trainer seam uses: its state as state only, its batch split, refusals.
 """Accelerate's own pieces the Trainer on shardwise relies on, kept apart from the
-accelerator object (``trainer_accelerator.py``): Accelerate's ``AcceleratorState``
+accelerator object (``trainer/accelerator.py``): Accelerate's ``AcceleratorState``
 initialised as state only (TRL's ``accelerate.utils`` helpers ask it), its
 ``DataLoaderConfiguration`` describing shardwise's loaders, its ``BatchSamplerShard`` for a
 loader on a trainer's own sampler, and what the accelerator refuses by name.

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 
 from shardwise.engines.step_hooks import IGNORE, call_model
 from shardwise.errors import ConflictError, LossError
-from shardwise.ulysses import Attend, sequence_slice, ulysses_attention
+from shardwise.parallel.ulysses import Attend, sequence_slice, ulysses_attention
 
 __all__ = ["ContextSplit", "IGNORE", "REGISTRY_NAME", "ADDED", "next_token_labels",
            "causal_lm_loss"]

@@ -4,10 +4,10 @@
 - A Transformers model: shardwise registers one attention function in Transformers'
   ``AttentionInterface`` and points the model's config at it. It runs the model's own
   implementation (``sdpa`` for ``eager``, which it equals) on whole sequences, causal, between
-  the two all-to-alls of :func:`shardwise.ulysses.ulysses_attention`.
+  the two all-to-alls of :func:`shardwise.parallel.ulysses.ulysses_attention`.
 - Any other model declares ``self.context_parallel = None`` on its attention modules and calls
   ``self.context_parallel.attend(q, k, v, attend)`` when it is set; the transform sets it to
-  the rank's :class:`~shardwise.context_split.ContextSplit`.
+  the rank's :class:`~shardwise.parallel.context_split.ContextSplit`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.context_split import REGISTRY_NAME, ContextSplit
 from shardwise.errors import ConflictError
+from shardwise.parallel.context_split import REGISTRY_NAME, ContextSplit
 
 __all__ = ["hook_attention", "ATTRIBUTE"]
 

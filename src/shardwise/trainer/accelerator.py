@@ -32,7 +32,7 @@ from shardwise.distributed import leave_at_exit, leave_group
 from shardwise.errors import ArgumentError
 from shardwise.metrics import gather_for_metrics
 from shardwise.pipelines import Pipeline
-from shardwise.trainer_accelerate import (
+from shardwise.trainer.from_accelerate import (
     REFUSED,
     accelerate_precision,
     amp_forward,

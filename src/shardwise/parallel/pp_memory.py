@@ -21,8 +21,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shardwise.pp_schedule import MULTI, stages_on
-from shardwise.pp_stages import DecoderStage, StageSplit, decoder_parts, stage_modules
+from shardwise.parallel.pp_schedule import MULTI, stages_on
+from shardwise.parallel.pp_stages import DecoderStage, StageSplit, decoder_parts, stage_modules
 
 __all__ = ["cut_from", "held_modules", "in_flight", "microbatch", "stage_activations", "schedule_order"]
 

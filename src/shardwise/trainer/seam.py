@@ -3,14 +3,14 @@
 
 The seam is the Trainer's own ``create_accelerator_and_postprocess``: it builds the object
 the Trainer calls for every distributed mechanic. On shardwise it builds a
-:class:`~shardwise.trainer_accelerator.ShardwiseAccelerator` from the same TrainingArguments
+:class:`~shardwise.trainer.accelerator.ShardwiseAccelerator` from the same TrainingArguments
 (read as :func:`shardwise.from_training_args` reads them, without the ``sw.fit`` options).
 The prepared model's forward runs in the pipeline's precision with its outputs in fp32, as
 Accelerate makes it (the Trainer's loss outside the model is fp32 on both), and a resumed
 epoch starts part-way through its order (``get_resumed_dataloader``): two public hooks of
 the Trainer. For a sharded model (FSDP2) four of its checkpoint steps (``_save``,
 ``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``, ``_load_best_model``)
-go through :mod:`shardwise.trainer_checkpoint`, which gathers whole tensors into the
+go through :mod:`shardwise.trainer.checkpoint_files`, which gathers whole tensors into the
 Trainer's own files; with an unsharded model they are the Trainer's. The loop, callbacks,
 compute_metrics, best model, early stopping, report_to and the checkpoint layout stay the
 Trainer's.
@@ -27,7 +27,7 @@ import transformers
 from shardwise._text import short
 from shardwise.configured import trainer_pipeline
 from shardwise.errors import ArgumentError, ConfigError, EnvError
-from shardwise.trainer_accelerator import ShardwiseAccelerator
+from shardwise.trainer.accelerator import ShardwiseAccelerator
 from shardwise.transforms.base import plan_for
 
 __all__ = ["TESTED_TRANSFORMERS", "Trainer", "on_shardwise"]
@@ -102,11 +102,11 @@ def _resumed(base: type) -> Any:
 
 
 def _checkpoints(base: type) -> dict[str, Any]:
-    """The Trainer's checkpoints as transactions (:mod:`shardwise.trainer_transaction`:
+    """The Trainer's checkpoints as transactions (:mod:`shardwise.trainer.transaction`:
     locked, checksummed, published in one rename, verified before a load), and four of its
-    steps through :mod:`shardwise.trainer_checkpoint` when the model is sharded."""
-    from shardwise import trainer_checkpoint as sharded_files
-    from shardwise import trainer_transaction as transaction
+    steps through :mod:`shardwise.trainer.checkpoint_files` when the model is sharded."""
+    from shardwise.trainer import checkpoint_files as sharded_files
+    from shardwise.trainer import transaction as transaction
 
     def _save(self: Any, output_dir: str | None = None, state_dict: Any = None) -> None:
         if not sharded_files.sharded(self):

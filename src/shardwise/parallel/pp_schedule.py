@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.context_split import IGNORE, ContextSplit, causal_lm_loss, next_token_labels
 from shardwise.errors import ArgumentError, ConflictError, LossError
+from shardwise.parallel.context_split import IGNORE, ContextSplit, causal_lm_loss, next_token_labels
 
 __all__ = ["SCHEDULES", "PipelineRun", "stages_on", "bubble"]
 #: every schedule torch offers, by the name ``pipeline_parallel(schedule=...)`` takes

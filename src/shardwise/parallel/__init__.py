@@ -1,0 +1,1 @@
+"""The mesh and the internals of tensor, context and pipeline parallelism."""

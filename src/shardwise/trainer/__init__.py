@@ -1,0 +1,1 @@
+"""The Transformers Trainer on shardwise: the seam, its accelerator, its checkpoints."""

@@ -26,7 +26,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import shardwise as sw
-from shardwise.parallel.pp_schedule import SCHEDULES, bubble
+from shardwise.parallel.pp_schedule import SCHEDULES
 from shardwise.testing import run_distributed
 
 GLOBAL_BATCH = 8
@@ -98,8 +98,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         if bundle.stages is not None:
             row["idle"] = 1 - busy[name][0] / sum(timed)
             stages = bundle.stages
-            row["bubble"] = bubble(stages.schedule, stages.size, len(stages.stages),
-                                   stages.microbatches)
+            row["bubble"] = stages.schedule.bubble(stages.size, stages.microbatches)
             row["microbatches"] = stages.microbatches
         rows[name] = row
     return rows

@@ -229,41 +229,14 @@ def _transforms(pipeline: _HasTransforms | Sequence[Transform] | None) -> list[T
     return list(pipeline if isinstance(pipeline, Sequence) else pipeline.transforms)
 
 
-def split_default(env: Env, transforms: Sequence[Transform]) -> tuple[list[Transform], str] | None:
-    """The default distribution when ``pipeline_parallel`` or ``tensor_parallel`` splits the
-    model (DDP runs neither a pipeline's stages nor DTensor layers): ``shard()`` over the
-    ranks that hold the same part (data and context-parallel ranks, whose gradients are
-    reduced together), or nothing when one ``pp x tp`` block spans the world; with the
-    reason. None without either (the memory estimate chooses then). The one place this is
-    decided: the default choice and the memory estimate ask it."""
-    splitting = [t for t in transforms if {"pp", "tp"} & set(t.mesh_dims())]
-    if not splitting or not env.is_distributed:
-        return None
-    from shardwise.transforms.sharding import shard
-
-    plan = plan_for(env, transforms)
-    block = plan.size("pp") * plan.size("tp")
-    holders = env.world_size // block
-    names = " x ".join(type(t).factory_name for t in splitting)
-    reason = (f"default: {names} groups of {block} ranks leave {holders} rank(s) holding each "
-              "part")
-    if holders == 1:
-        return [], reason
-    reason += "; DDP runs neither pipeline stages nor DTensor layers, so shard()"
-    staged = plan.pipeline_parallel
-    chosen = staged.data_shard() if staged is not None else shard()
-    if not chosen.reshard_after_forward:
-        reason += (", its parameters kept gathered through the step: the zero-bubble "
-                   "schedule's weight gradients come after later forwards")
-    return [chosen], reason
-
-
 def engine_of(transforms: Sequence[Transform], env: Env) -> Engine:
     """The engine ``transforms`` would put in a bundle under ``env`` (none given: replicate,
     or under tensor or pipeline parallelism shard() over the data ranks, or the splitting
     transform's own engine when its groups span the world)."""
     plan = plan_for(env, transforms)
     distribution = next((t for t in transforms if isinstance(t, Distribution)), None)
+    from shardwise.default_split import split_default
+
     default = split_default(env, transforms)
     if distribution is None and default is not None:
         if not default[0]:
@@ -288,18 +261,17 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
         held_modules,
         in_flight,
         microbatch,
-        schedule_order,
         stage_activations,
     )
-    from shardwise.parallel.pp_schedule import stages_on
 
     model = unwrap(model)
     engine = engine_of(transforms, env)  # one process, or FSDP2 over each stage's data ranks
     sliced = plan.size("cp")
     ckpt = next((t for t in transforms if isinstance(t, CheckpointActivations)), None)
-    size, per, count = plan.size("pp"), staged.per_rank, staged.microbatch_count(plan)
+    size, count = plan.size("pp"), staged.microbatch_count(plan)
     split = staged.split_for(model, plan)
-    order = schedule_order(staged.schedule, size, per, count)
+    schedule = staged.kind  # the schedule's record: torch's order, each rank's stages
+    order = schedule.order(size, count)
     trained = ({id(p) for g in optimizer.param_groups for p in g["params"]}
                if optimizer is not None else {id(p) for p in model.parameters() if p.requires_grad})
     per_stage: list[int | None] = []
@@ -320,7 +292,7 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
         per_stage = [-(-a // sliced) if a is not None else None for a in per_stage]
     best: tuple[int, int, Any, int | None] | None = None
     for rank in range(size):
-        held = held_modules(model, split, stages_on(staged.schedule, rank, size, per))
+        held = held_modules(model, split, schedule.stages_on(rank, size))
         parts = engine.memory(
             held, env, trained=trained & {id(p) for p in held.parameters()},
             optimizer_layout=_optimizer_layout(optimizer),
@@ -336,7 +308,7 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
     rank, total, parts, activations = best
     layout = (f"pipeline parallel over {size} ranks ({staged.schedule}, {count} microbatches): "
               f"rank {rank} needs the most, holding stages "
-              f"{stages_on(staged.schedule, rank, size, per)} ({parts.layout}); activations of "
+              f"{schedule.stages_on(rank, size)} ({parts.layout}); activations of "
               "the microbatches its schedule keeps in flight"
               + (f" + context parallel over {sliced} (each a 1/{sliced} slice)" if sliced > 1
                  else "") + (" + activation checkpointing" if ckpt else ""))

@@ -16,12 +16,12 @@ from shardwise._params import refuse_state
 from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.choice import choose_distribution, sample_batch
+from shardwise.default_split import split_default
 from shardwise.device_skip import fused_kernel_choice, use_fused_kernel
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError
 from shardwise.explaining import describe
-from shardwise.memory import split_default
 from shardwise.parallel.mesh import build as build_mesh
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite

@@ -5,8 +5,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.parallel.pp_memory import held_modules, in_flight, schedule_order
-from shardwise.parallel.pp_schedule import bubble, stages_on
+from shardwise.parallel.pp_memory import held_modules, in_flight
+from shardwise.parallel.pp_schedule import schedule_of
 from shardwise.parallel.pp_stages import check_views, split_of, stage_modules
 
 pytest.importorskip("transformers")
@@ -76,14 +76,20 @@ def test_a_sequential_is_cut_between_children_and_anything_else_is_refused():
 
 def test_in_flight_follows_torchs_own_schedule():
     # GPipe runs every microbatch's forward first; 1F1B keeps at most p on the first rank
-    gpipe = schedule_order("GPipe", 2, 1, 4)
+    gpipe = schedule_of("GPipe").order(2, 4)
     assert in_flight(gpipe[0], lambda s: 10) == 40
-    one_f_one_b = schedule_order("1F1B", 2, 1, 4)
+    one_f_one_b = schedule_of("1F1B").order(2, 4)
     assert in_flight(one_f_one_b[0], lambda s: 10) == 20
     assert in_flight(one_f_one_b[1], lambda s: 10) == 10
-    assert stages_on("DualPipeV", 0, 2, 2) == [0, 3] and stages_on("LoopedBFS", 1, 2, 2) == [1, 3]
-    assert bubble("1F1B", 2, 1, 2) == pytest.approx(1 / 3)
-    assert bubble("Interleaved1F1B", 4, 2, 8) == pytest.approx(3 / 19)
+    assert schedule_of("DualPipeV").stages_on(0, 2) == [0, 3]
+    assert schedule_of("LoopedBFS").stages_on(1, 2) == [1, 3]
+    assert schedule_of("1F1B").bubble(2, 2) == pytest.approx(1 / 3)
+    assert schedule_of("Interleaved1F1B").bubble(4, 8) == pytest.approx(3 / 19)
+    # the record says what each schedule is, once (every part asks it, none tests a name)
+    zbv = schedule_of("ZBVZeroBubble")
+    assert (zbv.multi, zbv.v_shaped, zbv.zero_bubble, zbv.per_rank) == (True, True, True, 2)
+    assert zbv.torch_class().__name__ == "ScheduleZBVZeroBubble"
+    assert (schedule_of("1F1B").multi, schedule_of("Interleaved1F1B", 3).per_rank) == (False, 3)
 
 
 def test_the_estimate_holds_the_busiest_ranks_stages():

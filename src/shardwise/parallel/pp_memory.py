@@ -3,8 +3,8 @@
 
 Each rank holds its stages' parameters, gradients and optimizer state, and the activations
 of the microbatches whose forward it ran and whose backward it has not: how many depends on
-the schedule. That is read from torch's own schedule (its ``pipeline_order``, the compute
-actions of every rank, built from stand-in stages: nothing runs): each forward of a stage
+the schedule. That is read from torch's own schedule (``Schedule.order``: its ``pipeline_order``, the
+compute actions of every rank, built from stand-in stages: nothing runs): each forward of a stage
 adds that stage's activations for one microbatch (estimated on the meta device), each
 backward frees them (for the zero-bubble schedules, the weight-gradient half: until then the
 layers' inputs are kept), and the peak of the running sum is the rank's.
@@ -12,7 +12,6 @@ layers' inputs are kept), and the peak of the running sum is the rank's.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,10 +20,9 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shardwise.parallel.pp_schedule import MULTI, stages_on
 from shardwise.parallel.pp_stages import DecoderStage, StageSplit, decoder_parts, stage_modules
 
-__all__ = ["cut_from", "held_modules", "in_flight", "microbatch", "stage_activations", "schedule_order"]
+__all__ = ["held_modules", "in_flight", "microbatch", "stage_activations"]
 
 
 def held_modules(model: nn.Module, split: StageSplit, mine: Sequence[int]) -> nn.Module:
@@ -47,33 +45,6 @@ def held_modules(model: nn.Module, split: StageSplit, mine: Sequence[int]) -> nn
         rest += [inner.norm, model.lm_head]  # type: ignore[list-item]
     holder.rest = nn.ModuleList(rest)
     return holder
-
-
-def cut_from(module: nn.Module) -> nn.Module:
-    """The whole model a :func:`held_modules` container was taken from (whose module names a
-    tensor-parallel plan names), or ``module`` itself."""
-    return module.__dict__.get("cut_from", module)
-
-
-def schedule_order(schedule: str, size: int, per_rank: int, microbatches: int
-                   ) -> dict[int, list[Any]]:
-    """torch's compute actions of every rank for this schedule (from stand-in stages)."""
-    from torch.distributed.pipelining import schedules as torch_schedules
-
-    total = size * per_rank
-
-    def stand_in(index: int) -> Any:
-        return types.SimpleNamespace(stage_index=index, num_stages=total, group_size=size,
-                                     group_rank=0, is_first=index == 0,
-                                     is_last=index == total - 1, submod=None,
-                                     stage_index_to_group_rank=None, has_backward=True)
-
-    cls = getattr(torch_schedules, f"Schedule{schedule}")
-    mine = [stand_in(i) for i in stages_on(schedule, 0, size, per_rank)]
-    built = cls(mine if schedule in MULTI else mine[0], n_microbatches=microbatches,
-                loss_fn=lambda output, target: output)
-    return {rank: [a for a in actions if a is not None]
-            for rank, actions in built.pipeline_order.items()}
 
 
 def in_flight(actions: list[Any], per_stage: Callable[[int], int]) -> int:

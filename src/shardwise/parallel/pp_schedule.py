@@ -13,6 +13,7 @@ microbatch met (torch's stages fix their buffers' shapes at their first step).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,33 +25,117 @@ from torch import nn
 from shardwise.errors import ArgumentError, ConflictError, LossError
 from shardwise.parallel.context_split import IGNORE, ContextSplit, causal_lm_loss, next_token_labels
 
-__all__ = ["SCHEDULES", "PipelineRun", "stages_on", "bubble"]
+__all__ = ["SCHEDULES", "Schedule", "schedule_of", "PipelineRun", "v_shaped_names"]
 #: every schedule torch offers, by the name ``pipeline_parallel(schedule=...)`` takes
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
              "ZBVZeroBubble", "DualPipeV")
 #: the schedules that run several stages on each rank
-MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+_MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 #: the ones whose two stages per rank make a V (rank r: stages r and 2p - 1 - r)
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 #: the ones that fill the bubble with weight-gradient work (backward split in two)
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+_ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 Loss = Callable[[Any, Any], Any]
 
 
-def stages_on(schedule: str, rank: int, size: int, per_rank: int) -> list[int]:
-    """The stages rank ``rank`` of a group of ``size`` holds: looped (r, r + p, ...) or, for
-    the V-shaped schedules, r and 2p - 1 - r."""
-    if schedule in V_SHAPED:
-        return [rank, 2 * size - 1 - rank]
-    return [rank + k * size for k in range(per_rank)]
+@attrs.frozen
+class Schedule:
+    """A pipeline schedule resolved once from its name (:func:`schedule_of`): everything
+    the transform, the run, the memory estimate and ``explain()`` ask of it.
+
+    Attributes:
+        name: torch's class name without ``Schedule`` (:data:`SCHEDULES`).
+        per_rank: stages each rank holds.
+    """
+
+    name: str
+    per_rank: int
+
+    @property
+    def multi(self) -> bool:
+        """Several stages on each rank (torch's multi-stage schedules)."""
+        return self.name in _MULTI
+
+    @property
+    def v_shaped(self) -> bool:
+        """Two stages per rank in a V: rank r holds stages r and 2p - 1 - r."""
+        return self.name in _V_SHAPED
+
+    @property
+    def zero_bubble(self) -> bool:
+        """The backward split in two, the weight-gradient half filling the bubble."""
+        return self.name in _ZERO_BUBBLE
+
+    def torch_class(self) -> Any:
+        """torch's schedule class."""
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        return getattr(torch_schedules, f"Schedule{self.name}")
+
+    def build(self, stages: list[Any], **kwargs: Any) -> Any:
+        """torch's schedule over this rank's ``stages`` (one, or the list for multi-stage)."""
+        return self.torch_class()(stages if self.multi else stages[0], **kwargs)
+
+    def stages_on(self, rank: int, size: int) -> list[int]:
+        """The stages rank ``rank`` of a group of ``size`` holds: looped (r, r + p, ...) or,
+        V-shaped, r and 2p - 1 - r."""
+        if self.v_shaped:
+            return [rank, 2 * size - 1 - rank]
+        return [rank + k * size for k in range(self.per_rank)]
+
+    def bubble(self, size: int, microbatches: int) -> float:
+        """The theoretical idle fraction per rank with equal stage times: (p - 1) /
+        (v·m + p - 1) for v stages per rank; a zero-bubble schedule fills most of it with
+        weight-gradient work (this is the bound before that filling)."""
+        return (size - 1) / (self.per_rank * microbatches + size - 1)
+
+    def order(self, size: int, microbatches: int) -> dict[int, list[Any]]:
+        """torch's compute actions of every rank of a group of ``size`` (from stand-in
+        stages: nothing runs).
+
+        Raises:
+            ValueError: torch's schedule refuses this microbatch count (its reason).
+        """
+        total = size * self.per_rank
+
+        def stand_in(index: int) -> Any:
+            return types.SimpleNamespace(stage_index=index, num_stages=total, group_size=size,
+                                         group_rank=0, is_first=index == 0,
+                                         is_last=index == total - 1, submod=None,
+                                         stage_index_to_group_rank=None, has_backward=True)
+
+        built = self.build([stand_in(i) for i in self.stages_on(0, size)],
+                           n_microbatches=microbatches, loss_fn=lambda output, target: output)
+        return {rank: [a for a in actions if a is not None]
+                for rank, actions in built.pipeline_order.items()}
 
 
-def bubble(schedule: str, size: int, per_rank: int, microbatches: int) -> float:
-    """The schedule's theoretical idle fraction per rank with equal stage times: (p - 1) /
-    (v·m + p - 1) for v stages per rank; a zero-bubble schedule fills most of it with
-    weight-gradient work (this is the bound before that filling)."""
-    return (size - 1) / (per_rank * microbatches + size - 1)
+def schedule_of(name: str, stages_per_rank: int | None = None) -> Schedule:
+    """The record of schedule ``name`` with ``stages_per_rank`` (None: 2 for a multi-stage
+    schedule, else 1), checked.
+
+    Raises:
+        ArgumentError: a count the schedule cannot hold.
+    """
+    multi, v_shaped = name in _MULTI, name in _V_SHAPED
+    per = stages_per_rank
+    if per is not None and not multi and per != 1:
+        raise ArgumentError(f"pipeline_parallel(schedule={name!r}) runs one stage per rank "
+                            f"(got stages_per_rank={per}); the multi-stage schedules are "
+                            f"{', '.join(_MULTI)}")
+    if per is not None and v_shaped and per != 2:
+        raise ArgumentError(f"pipeline_parallel(schedule={name!r}) holds exactly 2 stages per "
+                            f"rank, in a V (got stages_per_rank={per})")
+    if per == 1 and multi:
+        raise ArgumentError(f"pipeline_parallel(schedule={name!r}) needs stages_per_rank >= 2 "
+                            "(a rank's stages are interleaved)")
+    return Schedule(name, per or (2 if multi else 1))
+
+
+def v_shaped_names() -> str:
+    """The V-shaped schedules, for a message."""
+    return ", ".join(_V_SHAPED)
 
 
 def _sum_and_count(result: Any, target: Any) -> tuple[torch.Tensor, Any]:
@@ -71,7 +156,7 @@ class PipelineRun:
         group: the pipeline group's process group.
         rank: this rank's place in it.
         size: ranks in the group.
-        schedule: the schedule's name (:data:`SCHEDULES`).
+        schedule: the schedule, resolved (:class:`Schedule`).
         microbatches: microbatches each batch is cut into.
         stages: the stage indices this rank holds.
         modules: the module each of those stages runs.
@@ -88,7 +173,7 @@ class PipelineRun:
     group: Any = attrs.field(repr=False)
     rank: int
     size: int
-    schedule: str
+    schedule: Schedule
     microbatches: int
     stages: list[int]
     modules: list[nn.Module] = attrs.field(repr=False)
@@ -193,19 +278,17 @@ class PipelineRun:
     def _schedule(self, args: tuple[Any, ...], kwargs: dict[str, Any], with_loss: bool) -> Any:
         """The schedule for microbatches shaped as these, built once per shape."""
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining import schedules as torch_schedules
 
         shapes = tuple((tuple(v.shape), v.dtype) for v in [*args, *kwargs.values()]
                        if isinstance(v, torch.Tensor))
         key = (shapes, with_loss)
         if key not in self._built:
-            cls = getattr(torch_schedules, f"Schedule{self.schedule}")
             stages = [PipelineStage(module, index, self.total, self.device, group=self.group)
                       for module, index in zip(self.modules, self.stages, strict=True)]
-            built = cls(stages if self.schedule in MULTI else stages[0],
-                        n_microbatches=self.microbatches,
-                        loss_fn=self._loss if with_loss else None, scale_grads=False)
-            if self.schedule in V_SHAPED and not with_loss:
+            built = self.schedule.build(stages, n_microbatches=self.microbatches,
+                                        loss_fn=self._loss if with_loss else None,
+                                        scale_grads=False)
+            if self.schedule.v_shaped and not with_loss:
                 _forward_only(built)
             self._built[key] = built
         return self._built[key]
@@ -293,7 +376,7 @@ class PipelineRun:
     def _last_rank(self) -> int:
         """The group rank that holds the last stage."""
         for rank in range(self.size):
-            if self.total - 1 in stages_on(self.schedule, rank, self.size, len(self.stages)):
+            if self.total - 1 in self.schedule.stages_on(rank, self.size):
                 return rank
         raise AssertionError("no rank holds the last stage")
 

@@ -26,8 +26,8 @@ from torch import nn
 from shardwise._text import short
 from shardwise.errors import ArgumentError, ConflictError
 
-__all__ = ["Elsewhere", "DecoderStage", "StageSplit", "split_of", "prune", "stage_modules", "check_views",
-           "decoder_parts"]
+__all__ = ["cut_from", "Elsewhere", "DecoderStage", "StageSplit", "split_of", "prune",
+           "stage_modules", "check_views", "decoder_parts"]
 
 Kind = Literal["decoder", "sequential"]
 
@@ -317,3 +317,9 @@ def check_views(model: nn.Module, split: StageSplit) -> None:
                             f"another, do not give its own forward's logits (largest difference "
                             f"{difference:.3g}): its forward does more than embeddings, layers, "
                             "norm and head between them; it cannot be cut at layer boundaries")
+
+
+def cut_from(module: nn.Module) -> nn.Module:
+    """The whole model a ``held_modules`` container (:mod:`shardwise.parallel.pp_memory`) was
+    taken from (whose module names a tensor-parallel plan names), or ``module`` itself."""
+    return module.__dict__.get("cut_from", module)

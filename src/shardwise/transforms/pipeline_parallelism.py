@@ -18,13 +18,11 @@ from shardwise.errors import ArgumentError, ConflictError
 from shardwise.meta_init import is_rank0_weights
 from shardwise.parallel.mesh import with_dimension
 from shardwise.parallel.pp_schedule import (
-    MULTI,
     SCHEDULES,
-    V_SHAPED,
-    ZERO_BUBBLE,
     PipelineRun,
-    bubble,
-    stages_on,
+    Schedule,
+    schedule_of,
+    v_shaped_names,
 )
 from shardwise.parallel.pp_stages import (
     StageSplit,
@@ -131,17 +129,12 @@ class PipelineParallel(Transform):
     distributes: ClassVar[bool] = True
 
     def __attrs_post_init__(self) -> None:
-        per = self.stages_per_rank
-        if per is not None and self.schedule not in MULTI and per != 1:
-            raise ArgumentError(f"pipeline_parallel(schedule={self.schedule!r}) runs one stage "
-                                f"per rank (got stages_per_rank={per}); the multi-stage "
-                                f"schedules are {', '.join(MULTI)}")
-        if per is not None and self.schedule in V_SHAPED and per != 2:
-            raise ArgumentError(f"pipeline_parallel(schedule={self.schedule!r}) holds exactly 2 "
-                                f"stages per rank, in a V (got stages_per_rank={per})")
-        if per == 1 and self.schedule in MULTI:
-            raise ArgumentError(f"pipeline_parallel(schedule={self.schedule!r}) needs "
-                                "stages_per_rank >= 2 (a rank's stages are interleaved)")
+        self.kind  # noqa: B018  (a count the schedule cannot hold is refused here)
+
+    @property
+    def kind(self) -> Schedule:
+        """The schedule, resolved once into its record (torch class, stages per rank, shape)."""
+        return schedule_of(self.schedule, self.stages_per_rank)
 
     def mesh_dims(self) -> dict[str, int | None]:
         return {"pp": self.size}
@@ -149,7 +142,7 @@ class PipelineParallel(Transform):
     @property
     def per_rank(self) -> int:
         """Stages each rank holds."""
-        return self.stages_per_rank or (2 if self.schedule in MULTI else 1)
+        return self.kind.per_rank
 
     def microbatch_count(self, plan: Plan) -> int:
         """Microbatches per batch: as given, or the pipeline's number of stages (``plan``'s
@@ -174,10 +167,8 @@ class PipelineParallel(Transform):
         Raises:
             ConflictError: torch's schedule refuses this count, with its reason.
         """
-        from shardwise.parallel.pp_memory import schedule_order
-
         try:
-            schedule_order(self.schedule, size, self.per_rank, microbatches)
+            self.kind.order(size, microbatches)
         except ValueError as exc:
             raise ConflictError(f"{self!r}: torch's {self.schedule} schedule refuses "
                                 f"{microbatches} microbatches for {size * self.per_rank} stages on "
@@ -188,12 +179,12 @@ class PipelineParallel(Transform):
         the parameters kept gathered through the step (:meth:`conflicts_with` says why)."""
         from shardwise.transforms.sharding import shard
 
-        return shard(reshard_after_forward=self.schedule not in ZERO_BUBBLE)
+        return shard(reshard_after_forward=not self.kind.zero_bubble)
 
     def conflicts_with(self, other: Transform) -> str | None:
         from shardwise.transforms.sharding import Shard
 
-        if self.schedule in ZERO_BUBBLE and isinstance(other, Shard) \
+        if self.kind.zero_bubble and isinstance(other, Shard) \
                 and other.reshard_after_forward:
             return (f"the zero-bubble schedule {self.schedule!r} computes weight gradients after "
                     "later microbatches' forwards, which reshard the stage's parameters under "
@@ -248,8 +239,8 @@ class PipelineParallel(Transform):
                                 f"a sample; microbatches must be at most the batch size "
                                 f"({batch_size})")
         rank = int(mesh["pp"].get_local_rank())
-        mine = stages_on(self.schedule, rank, size, self.per_rank)
-        _check_tied(model, split, self.schedule, size, self.per_rank)
+        mine = self.kind.stages_on(rank, size)
+        _check_tied(model, split, self.kind, size)
         check_views(model, split)
         groups = [len(group["params"]) for group in bundle.optimizer.param_groups] \
             if bundle.optimizer is not None else []
@@ -258,7 +249,7 @@ class PipelineParallel(Transform):
             model.to(env.device)
         _keep_held(bundle.optimizer, model)
         run = PipelineRun(group=mesh["pp"].get_group(), rank=rank, size=size,
-                          schedule=self.schedule, microbatches=microbatches,
+                          schedule=self.kind, microbatches=microbatches,
                           stages=mine, modules=stage_modules(model, split, mine),
                           total=split.stages, kind=split.kind, loss=self.loss,
                           device=env.device, group_sizes=groups, batch_size=batch_size)
@@ -274,8 +265,8 @@ class PipelineParallel(Transform):
         stages, micro = size * self.per_rank, self.microbatch_count(plan)
         cut = "balanced by parameter count" if self.split == "auto" else \
             f"at {', '.join(self.split)}"
-        idle = bubble(self.schedule, size, self.per_rank, micro)
-        filled = " before the weight-gradient work fills it" if self.schedule in ZERO_BUBBLE else ""
+        idle = self.kind.bubble(size, micro)
+        filled = " before the weight-gradient work fills it" if self.kind.zero_bubble else ""
         return (f"{self.schedule} over the mesh's pp dimension ({size} ranks, {stages} stages, "
                 f"{self.per_rank} per rank), cut at layer boundaries {cut}; each batch in "
                 f"{micro} microbatches; theoretical bubble {idle:.0%}{filled}; the loss a token "
@@ -283,8 +274,7 @@ class PipelineParallel(Transform):
                 "ranks read the same batch")
 
 
-def _check_tied(model: nn.Module, split: StageSplit, schedule: str, size: int,
-                per_rank: int) -> None:
+def _check_tied(model: nn.Module, split: StageSplit, schedule: Schedule, size: int) -> None:
     """Refuse tied input and output embeddings whose stages are on different ranks (each
     rank would train its own copy: silently untied)."""
     parts = decoder_parts(unwrap(model))
@@ -294,13 +284,13 @@ def _check_tied(model: nn.Module, split: StageSplit, schedule: str, size: int,
     if unwrap(model).lm_head.weight is not inner.embed_tokens.weight:  # type: ignore[union-attr]
         return
     last = split.stages - 1
-    if not any(0 in stages_on(schedule, r, size, per_rank) and
-               last in stages_on(schedule, r, size, per_rank) for r in range(size)):
-        raise ConflictError(f"pipeline_parallel(schedule={schedule!r}): this model ties lm_head "
+    if not any(0 in schedule.stages_on(r, size) and last in schedule.stages_on(r, size)
+               for r in range(size)):
+        raise ConflictError(f"pipeline_parallel(schedule={schedule.name!r}): this model ties lm_head "
                             "to embed_tokens, and its first and last stages are on different "
                             "ranks, which would train two copies apart; untie them "
                             "(tie_word_embeddings=False) or use a V-shaped schedule "
-                            f"({', '.join(V_SHAPED)}), whose rank 0 holds both")
+                            f"({v_shaped_names()}), whose rank 0 holds both")
 
 
 def _keep_held(optimizer: Any, model: nn.Module) -> None:

@@ -19,7 +19,7 @@ from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
 from shardwise.meta_init import is_rank0_weights
 from shardwise.parallel.mesh import stage_peers, with_dimension
-from shardwise.parallel.pp_memory import cut_from
+from shardwise.parallel.pp_stages import cut_from
 from shardwise.parallel.tp_plan import (
     check_plan_value,
     local_shapes,

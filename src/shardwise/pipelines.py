@@ -140,11 +140,11 @@ class Pipeline:
         and, under ``pipeline_parallel``, the layers and parameters of each stage are named.
         """
         if model is not None:
-            text = self.resolve(model, optimizer, batch=batch, loader=loader).explain()
+            resolved = self.resolve(model, optimizer, batch=batch, loader=loader)
+            text = resolved.explain()
             staged = next((t for t in self.transforms if "pp" in t.mesh_dims()), None)
             if staged is not None and self.env.is_distributed:  # where this model is cut
-                plan = plan_for(self.env, self.resolve(model, optimizer, batch=batch,
-                                                       loader=loader).transforms)
+                plan = plan_for(self.env, resolved.transforms)
                 text += f"\n  stages: {staged.split_for(model, plan).describe()}"  # type: ignore[attr-defined]
             if optimizer is not None:
                 text += f"\n  optimizer: {self._kernel(model, optimizer)}"

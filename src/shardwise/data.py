@@ -351,7 +351,7 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
     if mesh is not None:
         shares, share = mesh.data_ranks(env.world_size), mesh.data_rank(env.rank)
     if isinstance(getattr(loader, "sampler", None), DistributedSampler):
-        _check_own_sampler(loader, env.world_size // shares, shares, share)
+        _check_own_sampler(loader, mesh.copies if mesh is not None else 1, shares, share)
         return loader
     problem = _unsplittable(loader)
     if problem is not None:

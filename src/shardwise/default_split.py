@@ -26,8 +26,8 @@ def split_default(env: Env, transforms: Sequence[Transform]) -> tuple[list[Trans
     from shardwise.transforms.sharding import shard
 
     plan = plan_for(env, transforms)
-    block = plan.size("pp") * plan.size("tp")
-    holders = env.world_size // block
+    assert plan.mesh is not None  # several processes, a dimension declared
+    block, holders = plan.size("pp") * plan.size("tp"), plan.mesh.holders
     names = " x ".join(type(t).factory_name for t in splitting)
     reason = (f"default: {names} groups of {block} ranks leave {holders} rank(s) holding each "
               "part")

@@ -162,6 +162,6 @@ def evaluate(bundle: Bundle, loader: Iterable[Any] | None = None) -> dict[str, f
     if joined:
         dist.all_reduce(total)
         # the ranks of a tensor-parallel group, and the stages of a pipeline: one batch
-        total /= bundle.engine.batch_copies(env) * (bundle.stages.size if bundle.stages else 1)
+        total /= bundle.plan.size("tp") * (bundle.stages.size if bundle.stages else 1)
     loss, items = total.tolist()
     return {"loss": loss / items if items else float("nan"), "items": items}

@@ -87,7 +87,7 @@ class Stepper:
         # tensor-parallel group read the same batch, so counts summed over all ranks hold
         # each batch that often (a context-parallel group's ranks count their own slices)
         joined = dist.is_initialized()
-        copies = engine.batch_copies(env) if joined else 1
+        copies = plan.size("tp") if joined else 1
         if context is not None:  # each rank the loss of its slice, as a (sum, count)
             user = loss_fn
 

@@ -17,6 +17,7 @@ from shardwise.engines.base import Engine, MemoryParts, state_bytes
 from shardwise.engines.step_hooks import NoSync
 from shardwise.engines.tp import clip_across_meshes, tp_shape
 from shardwise.env import Env
+from shardwise.parallel.mesh import MeshLayout
 from shardwise.policies import Policy, select
 from shardwise.state import TrainState
 
@@ -44,39 +45,47 @@ def _without_gradient_sync(model: Any) -> Iterator[None]:
 
 @attrs.frozen
 class FSDPEngine(Engine):
-    """FSDP2 ``fully_shard`` over ``shard_ranks`` ranks (of ``world_size``; fewer for HSDP).
+    """FSDP2 ``fully_shard`` over the data dimensions of a mesh (fewer ranks than the world
+    for HSDP, tensor and pipeline parallelism).
 
     Attributes:
-        world_size: all ranks; gradients arrive averaged over them.
-        shard_ranks: the ranks each tensor is split over.
+        mesh: the pipeline's mesh layout (or that of a mesh of the user's own): its sizes are
+            read from it, never kept here.
         policy: the blocks sharded separately (for the memory estimate).
         reshard_after_forward: free gathered block parameters after forward (ZeRO-3).
         sync_each_batch: reduce-scatter every micro-batch of a window.
         offload: sharded state kept in host memory (``CPUOffloadPolicy``).
-        tp: ranks of each tensor-parallel group (2-D/3-D mesh); data ranks are the rest.
         tensor_parallel: the tensor_parallel transform, for the memory estimate.
-        pp: ranks of each pipeline group: each shards its stages over the data ranks, and
-            torch's schedule reduces the gradients of every batch (no window-long no_sync).
     """
 
-    world_size: int
-    shard_ranks: int
+    mesh: MeshLayout
     policy: Policy
     reshard_after_forward: bool = True
     sync_each_batch: bool = False
     offload: bool = False
-    tp: int = 1
     tensor_parallel: Any = attrs.field(eq=False, repr=False, default=None)
-    pp: int = 1
     name: ClassVar[str] = "FSDP2"
     casts_parameters: ClassVar[bool] = True
     places_parameters: ClassVar[bool] = True
 
-    def gradient_ranks(self, env: Env) -> int:
-        return self.world_size // (self.tp * self.pp)
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks each tensor is split over."""
+        return self.mesh.shard_ranks
 
-    def batch_copies(self, env: Env) -> int:
-        return self.tp
+    @property
+    def tp(self) -> int:
+        """Ranks of each tensor-parallel group (a data rank holds its part of split layers)."""
+        return self.mesh.tp
+
+    @property
+    def pp(self) -> int:
+        """Ranks of each pipeline group: each shards its stages over the data ranks, and
+        torch's schedule reduces the gradients of every batch (no window-long no_sync)."""
+        return self.mesh.pp
+
+    def gradient_ranks(self, env: Env) -> int:
+        return self.mesh.holders
 
     def clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         if self.tp > 1:  # split layers on dp x tp, the others on dp alone
@@ -124,4 +133,4 @@ class FSDPEngine(Engine):
     def describe(self, env: Env) -> str:
         split = f", tensor parallel over {self.tp}" if self.tp > 1 else ""
         split += f", pipeline stages over {self.pp}" if self.pp > 1 else ""
-        return f"FSDP2 over {self.shard_ranks} of {self.world_size} ranks{split}"
+        return f"FSDP2 over {self.shard_ranks} of {env.world_size} ranks{split}"

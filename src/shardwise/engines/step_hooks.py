@@ -245,10 +245,6 @@ class StepHooks:
         """How many ranks' gradients arrive averaged in ``.grad`` after a synchronised backward."""
         return 1
 
-    def batch_copies(self, env: Env) -> int:
-        """How many ranks read each batch: the ranks of a tensor-parallel group (else 1)."""
-        return 1
-
     def syncs_gradients(self) -> bool:
         """Whether a window's last micro-batch synchronises gradients (False: local SGD, every
         micro-batch runs under :meth:`no_sync`)."""

@@ -15,6 +15,7 @@ from torch import nn
 from shardwise.engines.base import Engine, MemoryParts, state_bytes
 from shardwise.engines.grad_norm import clip_across_meshes, total_norm
 from shardwise.env import Env
+from shardwise.parallel.mesh import MeshLayout
 
 __all__ = ["TPEngine", "total_norm", "clip_across_meshes", "tp_shape"]
 
@@ -33,16 +34,18 @@ class TPEngine(Engine):
     part of the split layers, every rank reads the same batch.
 
     Attributes:
-        tp: ranks in the tensor-parallel group (the world).
+        mesh: the pipeline's mesh layout (one ``tp`` dimension over the world).
         tensor_parallel: the transform (for the memory estimate's split shapes).
     """
 
-    tp: int
+    mesh: MeshLayout
     tensor_parallel: Any = attrs.field(eq=False, repr=False, default=None)
     name: ClassVar[str] = "tensor parallel"
 
-    def batch_copies(self, env: Env) -> int:
-        return self.tp
+    @property
+    def tp(self) -> int:
+        """Ranks in the tensor-parallel group (the world)."""
+        return self.mesh.tp
 
     def clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         return clip_across_meshes(params, max_norm, norm_type)

@@ -74,6 +74,25 @@ class MeshLayout:
         """The data-parallel dimensions, outermost first."""
         return tuple(name for name, _ in self.dims if name.startswith("dp_"))
 
+    @property
+    def holders(self) -> int:
+        """Ranks that hold the same part of the model and reduce its gradients together: the
+        data dimensions with ``cp`` (its ranks hold one replica, like data ranks)."""
+        return self.shard_ranks * self.size("dp_replicate")
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP2 splits each parameter over: the innermost data dimension, ``cp``
+        folded in (:func:`data_mesh`)."""
+        return self.size("dp_shard") * self.cp
+
+    @classmethod
+    def of_mesh(cls, mesh: DeviceMesh) -> MeshLayout:
+        """The layout of a data mesh of the user's own (``shard(mesh=...)``): FSDP2 shards
+        over its last dimension and replicates over the first of two."""
+        shape = tuple(int(n) for n in mesh.shape)
+        return cls(tuple(zip(("dp_replicate", "dp_shard")[-len(shape):], shape, strict=True)))
+
     def data_ranks(self, world_size: int) -> int:
         """Ranks that read different batches: the world over the ``pp x cp x tp`` blocks."""
         return world_size // self.copies

@@ -18,12 +18,12 @@ from shardwise.engines import Engine, FSDPEngine, LocalEngine
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
+from shardwise.parallel.mesh import MeshLayout, data_mesh
 from shardwise.parallel.mesh import build as build_mesh
-from shardwise.parallel.mesh import data_mesh
 from shardwise.plan import Plan
 from shardwise.policies import Policy, select
 from shardwise.transforms._checks import boolean, to_policy
-from shardwise.transforms.base import Distribution
+from shardwise.transforms.base import Distribution, plan_for
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import OffloadPolicy
@@ -87,12 +87,20 @@ class Shard(Distribution):
         """The engine this transform puts in the bundle (settings only, nothing is built)."""
         if not env.is_distributed:
             return LocalEngine()
-        tensor = plan.tensor_parallel
-        tp, pp = plan.size("tp"), plan.size("pp")  # the plan's layout, read
-        return FSDPEngine(world_size=env.world_size, shard_ranks=self.shard_ranks(env, tp * pp),
-                          policy=self.policy, reshard_after_forward=self.reshard_after_forward,
+        mesh = self._layout(env, plan)
+        return FSDPEngine(mesh=mesh, policy=self.policy,
+                          reshard_after_forward=self.reshard_after_forward,
                           sync_each_batch=self.sync_each_batch, offload=plan.offload,
-                          tp=tp, tensor_parallel=tensor if tp > 1 else None, pp=pp)
+                          tensor_parallel=plan.tensor_parallel if mesh.tp > 1 else None)
+
+    def _layout(self, env: Env, plan: Plan) -> MeshLayout:
+        """The layout this shards over: the user's own mesh's, or the plan's (the plan of
+        this transform alone where none was built)."""
+        if self.mesh is not None:
+            return MeshLayout.of_mesh(self.mesh)
+        layout = plan.mesh if plan.mesh is not None else plan_for(env, [self]).mesh
+        assert layout is not None  # several processes: shard() declares a dimension
+        return layout
 
     def excludes(self) -> dict[str, str]:
         if self.mesh is None:
@@ -156,16 +164,6 @@ class Shard(Distribution):
         rebind_optimizer(bundle.optimizer, names, model)
         return attrs.evolve(bundle, engine=self.engine(env, plan))
 
-    def shard_ranks(self, env: Env, tp: int = 1) -> int:
-        """How many ranks each parameter is split over by FSDP2: the last data dimension of
-        the mesh (FSDP2 replicates over the first of a 2-D one; ``tp`` ranks of a
-        tensor-parallel group, or of a pipeline group's block, hold the same shard of their
-        part)."""
-        if self.mesh is not None:
-            return int(self.mesh.shape[-1])
-        ranks = env.local_world_size if self.replicate_across_nodes else env.world_size
-        return ranks // tp
-
     def describe_in(self, env: Env, plan: Plan) -> str:
         mesh = plan.mesh
         if mesh is not None and mesh.tp > 1:
@@ -178,7 +176,7 @@ class Shard(Distribution):
     def describe(self, env: Env) -> str:
         if not env.is_distributed:
             return "one process: nothing to shard, no wrapper"
-        ranks = self.shard_ranks(env)
+        ranks = self._layout(env, plan_for(env, [self])).shard_ranks
         groups = "nodes" if self.replicate_across_nodes else "groups"
         spread = (f"hybrid: replicated over {env.world_size // ranks} {groups}, sharded over "
                   f"{ranks} ranks each" if ranks < env.world_size

@@ -211,10 +211,9 @@ class TensorParallel(Transform):
     def engine(self, env: Env, plan: Plan) -> Engine:
         """The engine this transform puts in the bundle when no distribution follows it
         (settings only, nothing is built), its size the ``plan``'s layout's."""
-        size = plan.size("tp")
-        if not env.is_distributed or size == 1:
+        if not env.is_distributed or plan.mesh is None or plan.mesh.tp == 1:
             return LocalEngine()
-        return TPEngine(tp=size, tensor_parallel=self)
+        return TPEngine(mesh=plan.mesh, tensor_parallel=self)
 
     def describe(self, env: Env) -> str:
         return self.describe_in(env, plan_for(env, [self]))

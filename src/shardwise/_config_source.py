@@ -31,23 +31,37 @@ Shape = Literal["bool", "size", "count", "text", "mapping"]
 MAX_INT = 2**63 - 1
 
 
+def say(notices: Iterable[str]) -> None:
+    """Log ``notices`` once (from the first rank of a launch): what a reading kept."""
+    for line in notices if launch_rank() == 0 else ():
+        log.warning(line)
+
+
 class Source:
     """A config mapping, where it came from, and the notices its reader gave."""
 
-    def __init__(self, data: Mapping[str, Any], origin: str, base: Path | None = None) -> None:
+    def __init__(self, data: Mapping[str, Any], origin: str, base: Path | None = None, *,
+                 written: Mapping[str, str] | None = None) -> None:
         self.data, self.origin, self.base = dict(data), origin, base
+        self.written = dict(written or {})
         self.notices: list[str] = []
-        self.logs = True  # False: the caller logs the notices (after renaming keys)
+        self.logs = True  # False: the caller logs the notices it keeps (say)
+
+    def key(self, path: str) -> str:
+        """How the setting at dotted ``path`` was written where it came from: the path
+        itself, or what gave it (``accelerate launch``'s variable for a key it was read
+        into, carried in ``written``), so every message names what the user wrote."""
+        return self.written.get(path, path)
 
     def fail(self, key: str, value: Any, accepted: str) -> ConfigError:
         """The error for ``key=value``, naming what is accepted."""
-        return ConfigError.at(self.origin, f"{key}={short(value)} is not accepted; accepted: "
-                           f"{accepted}")
+        return ConfigError.at(self.origin, f"{self.key(key)}={short(value)} is not accepted; "
+                              f"accepted: {accepted}")
 
     def notice(self, key: str, why: str, origin: str | None = None) -> None:
         """Log (and keep, for ``explain()``) one line about ``key`` (of the file ``origin``,
         by default this one)."""
-        line = f"{origin or self.origin}: {key} {why}"
+        line = f"{origin or self.origin}: {self.key(key)} {why}"
         self.notices.append(line)
         if self.logs and launch_rank() == 0:  # every rank reads the config: one says so
             log.warning(line)

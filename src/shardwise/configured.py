@@ -17,14 +17,26 @@ from typing import Any
 
 import attrs
 
-from shardwise._config_source import load_source
+from shardwise._config_source import load_source, say
 from shardwise._text import short
-from shardwise.configs import ConfigResult, config_kind, ddp_settings, read_config
+from shardwise.configs import (
+    ConfigResult,
+    config_env_settings,
+    config_kind,
+    ddp_settings,
+    read_config,
+)
 from shardwise.configs.distributed_config import as_mapping
-from shardwise.configs.training_args import TrainingSettings, read_training_args
+from shardwise.configs.training_args import (
+    TrainingSettings,
+    for_fit,
+    for_trainer,
+    read_training_args,
+    training_env_settings,
+)
 from shardwise.deepspeed_engine.config_file import engine_config
 from shardwise.deepspeed_engine.transform import deepspeed
-from shardwise.env import Env, detect
+from shardwise.env import Env, given_or_detected
 from shardwise.errors import ArgumentError, ConfigError, ConflictError, ShardwiseError
 from shardwise.pipelines import Pipeline, assemble
 from shardwise.state import OnNonFinite, check_on_nonfinite
@@ -74,7 +86,7 @@ def pipeline(*parts: Env | Transform, on_nonfinite: OnNonFinite = "raise") -> Pi
         raise ConflictError(f"pipeline() got {len(envs)} Envs ({envs[0]!r} and {envs[1]!r}); "
                             "pass one")
     check_on_nonfinite(on_nonfinite, "pipeline()")
-    env = envs[0] if envs else detect()
+    env = envs[0] if envs else given_or_detected(None)
     if not (env.config_path or env.accelerate_variables):
         return assemble(env, transforms, None, on_nonfinite=on_nonfinite)
     # the Accelerate variables' reader (and YAML) is imported only when there is one to read
@@ -146,7 +158,7 @@ def from_config(source: str | Path | Mapping[str, Any] | Any, *, env: Env | None
     source = as_mapping(source)  # a Transformers DistributedConfig: its fields
     if engine == "deepspeed":
         return _deepspeed_engine(source, env)
-    config = read_config(source, env=env)
+    config = read_config(source, env=_env_for(source, env))
     notes = (f"{config.origin} is a DeepSpeed config: mapped onto native PyTorch sharding "
              "(the default engine); sw.from_config(..., engine=\"deepspeed\") runs DeepSpeed's "
              "own engine",) if config.deepspeed else ()
@@ -174,11 +186,7 @@ def from_ddp_args(*, ddp_backend: str | None = None,
         ddp_backend=ddp_backend, ddp_find_unused_parameters=ddp_find_unused_parameters,
         ddp_bucket_cap_mb=ddp_bucket_cap_mb, ddp_timeout=ddp_timeout,
         ddp_broadcast_buffers=ddp_broadcast_buffers)
-    if env is None:
-        env = detect(**overrides)
-    elif overrides:
-        env = attrs.evolve(env, **overrides)
-    return assemble(env, [replicated], None)
+    return assemble(given_or_detected(env, **overrides), [replicated], None)
 
 
 def from_training_args(args: Any, *, env: Env | None = None, engine: str = "native") -> Pipeline:
@@ -211,11 +219,9 @@ def from_training_args(args: Any, *, env: Env | None = None, engine: str = "nati
     if engine not in ("native", "deepspeed"):
         raise ArgumentError(f"from_training_args() 'engine' must be 'native' or 'deepspeed' "
                             f"(got {short(engine)})")
-    settings = read_training_args(args, env, engine)
-    if env is None:
-        env = detect(**settings.overrides)
-    elif settings.overrides:
-        env = attrs.evolve(env, **settings.overrides)
+    env = given_or_detected(env, **training_env_settings(args))
+    settings = for_fit(read_training_args(args, env, engine), args, env)
+    say(settings.notices)
     return _training_pipeline(settings, env, settings.transforms, settings.notices)
 
 
@@ -229,8 +235,9 @@ def trainer_pipeline(args: Any) -> Pipeline:
     natively, a mesh) where ``fsdp``, ``deepspeed`` and ``parallelism_config`` are unset,
     and its mixed precision where neither ``bf16`` nor ``fp16`` is set.
     """
-    settings = read_training_args(args, None, "native", trainer=True)
-    env = detect(**settings.overrides)
+    env = given_or_detected(None, **training_env_settings(args))
+    settings = for_trainer(read_training_args(args, env))
+    say(settings.notices)
     transforms, notices = list(settings.transforms), list(settings.notices)
     from shardwise.configs.accelerate_env import launched_by_accelerate, read_accelerate_variables
 
@@ -273,7 +280,7 @@ def _training_pipeline(settings: TrainingSettings, env: Env, transforms: Sequenc
                        notices: Sequence[str]) -> Pipeline:
     """The pipeline of what TrainingArguments mean under ``env``; a refusal that does not
     say where it came from names the arguments."""
-    config = ConfigResult(tuple(transforms), tuple(notices), settings.origin,
+    config = ConfigResult(tuple(transforms), (*notices, *settings.notes), settings.origin,
                           "training arguments", env)
     try:
         return assemble(env, [], config, reason=f"from {settings.origin}",
@@ -284,16 +291,20 @@ def _training_pipeline(settings: TrainingSettings, env: Env, transforms: Sequenc
         raise ConfigError.at(settings.origin, f"{exc}") from exc
 
 
+def _env_for(source: Any, env: Env | None) -> Env:
+    """The Env given, else the one :func:`detect` makes with what the config says of it."""
+    return env if env is not None else given_or_detected(None, **config_env_settings(source))
+
+
 def _deepspeed_engine(source: str | Path | Mapping[str, Any], env: Env | None) -> Pipeline:
     """``from_config(source, engine="deepspeed")``: one ``deepspeed()`` transform."""
     src = load_source(source)
     kind = config_kind(src)
     notices: tuple[str, ...] = ()
     if kind == "accelerate":  # its keys checked, its block against the file it names
-        checked = read_config(source, env=env)
+        checked = read_config(source, env=_env_for(source, env))
         env, notices = checked.env, checked.notices
-    elif env is None:
-        env = detect()
+    env = _env_for(source, env)
     transform = deepspeed(engine_config(source, kind), source=src.origin)
     config = ConfigResult((transform,), notices, src.origin, kind, env, True)
     return assemble(env, [], config, reason=f"from {kind} config {src.origin}: DeepSpeed's own "

@@ -421,3 +421,12 @@ def variables_hidden(*names: str) -> Iterator[None]:
         yield
     finally:
         os.environ.update(hidden)
+
+
+def given_or_detected(env: Env | None, **settings: Any) -> Env:
+    """``env`` with ``settings`` (what a config says of the env: device, backend, timeout),
+    or, without one, :func:`detect` with them: how an entry point makes its one Env; the
+    readers below it take that Env and never detect."""
+    if env is None:
+        return detect(**settings)
+    return attrs.evolve(env, **settings) if settings else env

@@ -404,6 +404,34 @@ def test_the_combinator_knows_no_config_format():
     assert "shardwise.pipelines" in imports_of(files["shardwise.configured"], files)
 
 
+def test_config_readers_take_an_env_and_name_keys_as_written():
+    """The config readers (``configs/``, ``deepspeed_engine/``, the Trainer seam) take the Env
+    an entry point made (``given_or_detected`` in ``configured.py``) and never detect one;
+    a reading is never branched for the Trainer (``for_trainer`` filters what the one
+    reading gives); no message text is rewritten (a key's name as the user wrote it, an
+    ``accelerate launch`` variable, travels in the Source: ``Source.key``)."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        name = module_name(path)
+        if not name.startswith(("shardwise.configs", "shardwise.deepspeed_engine",
+                                "shardwise.trainer")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                called = ast.unparse(node.func)
+                if called.endswith(("detect", "given_or_detected")):
+                    found.append(f"{name}: {ast.unparse(node)[:60]}")
+                if called.endswith("read_training_args") and any(
+                        k.arg == "trainer" for k in node.keywords):
+                    found.append(f"{name}: {ast.unparse(node)[:60]}")
+                if called.endswith(".replace") and "str(exc)" in ast.unparse(node):
+                    found.append(f"{name}: {ast.unparse(node)[:60]}")
+            if isinstance(node, ast.arg) and node.arg == "trainer" and \
+                    name.startswith("shardwise.configs"):  # a reading's flag, not a Trainer
+                found.append(f"{name}: a 'trainer' argument")
+    assert found == [], found
+
+
 def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
     """Transforms declare the dimensions they run on (``mesh_dims``); only ``mesh.py`` sizes
     them (``layout``, ``tp_size``), the layout is worked out only where a plan is built

@@ -20,12 +20,12 @@ from shardwise.configs.deepspeed import deepspeed_transforms
 from shardwise.configs.distributed_config import MARKERS, as_mapping, distributed_config_transforms
 from shardwise.configs.fsdp import KEYS as FSDP_KEYS
 from shardwise.configs.fsdp import fsdp_transforms
-from shardwise.env import Env, detect
+from shardwise.env import Env
 from shardwise.errors import ConfigError, EnvError
 from shardwise.transforms.base import Transform
 from shardwise.transforms.replication import replicate
 
-__all__ = ["ConfigResult", "config_kind", "read_config", "ddp_settings"]
+__all__ = ["ConfigResult", "config_kind", "config_env_settings", "read_config", "ddp_settings"]
 
 
 @attrs.frozen
@@ -76,8 +76,20 @@ def config_kind(src: Source) -> str:
                       "Transformers DistributedConfig (pp_size, fsdp_size, ...)")
 
 
+def config_env_settings(source: str | os.PathLike[str] | Mapping[str, Any] | Any
+                        ) -> dict[str, Any]:
+    """The :func:`~shardwise.detect` settings a config gives (an Accelerate config's
+    ``use_cpu: true`` puts the job on the CPU): the entry point makes the Env from them.
+
+    Raises:
+        ConfigError: the source cannot be read, or its ``use_cpu`` is not a boolean.
+    """
+    src = load_source(as_mapping(source))
+    return {"device": "cpu"} if config_kind(src) == "accelerate" and uses_cpu(src) else {}
+
+
 def read_config(source: str | os.PathLike[str] | Mapping[str, Any] | Any, *,
-                env: Env | None = None) -> ConfigResult:
+                env: Env) -> ConfigResult:
     """The transforms and notices of an Accelerate YAML, a DeepSpeed JSON, a Transformers
     ``fsdp_config`` or ``DistributedConfig`` (the object or its dict), recognised from the
     content.
@@ -93,17 +105,12 @@ def read_config(source: str | os.PathLike[str] | Mapping[str, Any] | Any, *,
     src = load_source(as_mapping(source))
     kind = config_kind(src)
     if kind == "accelerate":
-        if env is None:
-            env = detect(device="cpu") if uses_cpu(src) else detect()
         transforms = accelerate_transforms(src, env)
     elif kind == "deepspeed":
-        env = detect() if env is None else env
         transforms = deepspeed_transforms(src, env)
     elif kind == "distributed":
-        env = detect() if env is None else env
         transforms = distributed_config_transforms(src, env)
     else:
-        env = detect() if env is None else env
         transforms = fsdp_transforms(src, src.data)
     deepspeed = kind == "deepspeed" or (kind == "accelerate" and str(
         src.data.get("distributed_type", "")).upper() == "DEEPSPEED")

@@ -57,8 +57,9 @@ def _launch(src: Source, cfg: dict[str, Any]) -> None:
     processes = src.integer("num_processes", get("num_processes", 1), 1)
     machines = src.integer("num_machines", get("num_machines", 1), 1)
     if processes % machines:
-        raise ConfigError.at(src.origin, f"num_processes={processes} must be a positive "
-                          f"multiple of num_machines={machines} (processes are spread evenly)")
+        raise ConfigError.at(src.origin, f"{src.key('num_processes')}={processes} must be a "
+                             f"positive multiple of {src.key('num_machines')}={machines} "
+                             "(processes are spread evenly)")
     src.integer("machine_rank", get("machine_rank", 0), 0, machines - 1)
     src.integer("main_process_port", get("main_process_port", 0), 0, 65535)
     if get("main_process_ip") is not None:

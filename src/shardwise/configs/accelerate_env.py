@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise._config_source import Source, log
+from shardwise._config_source import Source
 from shardwise.configs.accelerate import accelerate_transforms
-from shardwise.env import Env, launch_rank
-from shardwise.errors import ConfigError
+from shardwise.env import Env
 from shardwise.transforms.accumulation import accumulate_gradients
 from shardwise.transforms.base import Transform
 
@@ -141,15 +140,6 @@ def _to_config(variables: dict[str, str], env: Env) -> tuple[dict[str, Any], dic
     return cfg, names
 
 
-def _named(exc: ConfigError, names: dict[str, str]) -> ConfigError:
-    """The error with each config key replaced by the variable that gave it."""
-    text = str(exc)
-    for key in sorted(names, key=len, reverse=True):
-        for end in ("=", " ", ":"):
-            text = text.replace(f"{key}{end}", f"{names[key]}{end}")
-    return ConfigError(text)
-
-
 def launched_by_accelerate(env: Env) -> bool:
     """Whether ``env`` holds settings of ``accelerate launch`` (not just its logging ones)."""
     return any(name not in _QUIET for name, _ in env.accelerate_variables)
@@ -174,18 +164,11 @@ def read_accelerate_variables(env: Env) -> tuple[list[Transform], list[str]]:
     for var in sorted(set(variables) - known):
         src.notice(var, "is not read by shardwise")
     cfg, names = _to_config(variables, env)
-    config = Source(cfg, ORIGIN)
-    config.logs = False  # logged below, naming the variables
-    try:
-        out = accelerate_transforms(config, env)
-        steps = variables.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-        if steps is not None and cfg["distributed_type"] != "DEEPSPEED":
-            count = config.integer("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", steps.strip(), 1)
-            if count > 1:
-                out.append(accumulate_gradients(count))
-    except ConfigError as exc:
-        raise _named(exc, names) from None
-    notices = [_named(ConfigError(n), names).args[0] for n in config.notices]
-    for line in notices if launch_rank() == 0 else ():  # one rank says it
-        log.warning(line)
-    return out, [*src.notices, *notices]
+    config = Source(cfg, ORIGIN, written=names)  # its messages name the variables
+    out = accelerate_transforms(config, env)
+    steps = variables.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if steps is not None and cfg["distributed_type"] != "DEEPSPEED":
+        count = config.integer("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", steps.strip(), 1)
+        if count > 1:
+            out.append(accumulate_gradients(count))
+    return out, [*src.notices, *config.notices]

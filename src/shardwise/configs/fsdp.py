@@ -52,12 +52,12 @@ def _spellings(src: Source, block: Mapping[str, Any], where: str) -> tuple[dict[
         if value is None:
             continue
         if bare in cfg and not (type(cfg[bare]) is type(value) and cfg[bare] == value):
-            raise ConfigError.at(src.origin, f"{spelled[bare]}={short(cfg[bare])} and "
-                              f"{where}{key}={short(value)} contradict each other (the same "
+            raise ConfigError.at(src.origin, f"{src.key(spelled[bare])}={short(cfg[bare])} and "
+                              f"{src.key(where + key)}={short(value)} contradict each other (the same "
                               "setting, with and without the fsdp_ prefix); keep one")
         cfg.setdefault(bare, value)
         spelled.setdefault(bare, f"{where}{key}")
-    return cfg, lambda bare: spelled.get(bare, f"{where}fsdp_{bare}")
+    return cfg, lambda bare: src.key(spelled.get(bare, f"{where}fsdp_{bare}"))
 
 
 def _class_names(src: Source, key: str, value: Any) -> tuple[str, ...]:

@@ -62,8 +62,8 @@ def _spellings(src: Source, block: Mapping[str, Any], where: str) -> dict[str, A
         if value is None:
             continue
         if bare in plain and not (type(plain[bare]) is type(value) and plain[bare] == value):
-            raise ConfigError.at(src.origin, f"{spelled[bare]}={short(plain[bare])} and "
-                              f"{place}{key}={short(value)} contradict each other (the same "
+            raise ConfigError.at(src.origin, f"{src.key(spelled[bare])}={short(plain[bare])} and "
+                              f"{src.key(f'{place}{key}')}={short(value)} contradict each other (the same "
                               f"setting, with and without the {PREFIX} prefix); keep one")
         plain.setdefault(bare, value)
         spelled.setdefault(bare, f"{place}{key}")
@@ -78,9 +78,9 @@ def _sizes(src: Source, block: Mapping[str, Any], where: str) -> dict[str, int]:
         value = block.get(name)
         sizes[name] = 1 if value is None else src.integer(f"{where}{name}", value, 1, 2**16)
     if sizes["cp_size"] > 1 and sizes["sp_size"] > 1:
-        raise ConfigError.at(src.origin, f"{where}cp_size={sizes['cp_size']} and {where}sp_size="
-                             f"{sizes['sp_size']}: both split sequences; set one of them to 1 (as "
-                             "Accelerate requires)")
+        raise ConfigError.at(src.origin, f"{src.key(f'{where}cp_size')}={sizes['cp_size']} and "
+                             f"{src.key(f'{where}sp_size')}={sizes['sp_size']}: both split "
+                             "sequences; set one of them to 1 (as Accelerate requires)")
     return sizes
 
 
@@ -110,13 +110,13 @@ def _check_world(src: Source, sizes: dict[str, int], env: Env, where: str) -> No
     product = 1
     for name in SIZES:
         product *= sizes[name]
-    shown = " x ".join(f"{where}{n}={sizes[n]}" for n in SIZES if sizes[n] > 1 or n in SIZES[:3])
+    shown = " x ".join(f"{src.key(where + n)}={sizes[n]}" for n in SIZES if sizes[n] > 1 or n in SIZES[:3])
     if env.is_distributed and product != env.world_size:
         raise ConfigError.at(src.origin, f"{shown} = {product} ranks, but this run has "
                           f"{env.world_size}; the sizes must multiply to the number of processes")
     replicas = sizes["dp_replicate_size"]
     if env.is_distributed and replicas > 1 and replicas != env.num_nodes:
-        raise ConfigError.at(src.origin, f"{where}dp_replicate_size={replicas}, but this "
+        raise ConfigError.at(src.origin, f"{src.key(f'{where}dp_replicate_size')}={replicas}, but this "
                           f"run has {env.num_nodes} node(s); shardwise replicates across nodes "
                           "and shards within one (HSDP): set it to the number of nodes")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from shardwise._config_source import Source, short
+from shardwise._config_source import Source, say, short
 from shardwise.configs.dynamo import compile_of
 from shardwise.configs.parallelism import SIZES, asks_for_mesh, parallelism_transforms
 from shardwise.configs.training_args_engines import (
@@ -38,7 +38,7 @@ from shardwise.configs.training_args_fields import (
 )
 from shardwise.configs.training_args_loop import fit_settings
 from shardwise.deepspeed_engine.settings import value
-from shardwise.env import Env, detect
+from shardwise.env import Env
 from shardwise.errors import ConfigError
 from shardwise.transforms.accumulation import accumulate_gradients
 from shardwise.transforms.activation_checkpointing import CheckpointActivations, checkpoint_activations
@@ -46,10 +46,11 @@ from shardwise.transforms.base import Transform
 from shardwise.transforms.clipping import clip_gradients
 from shardwise.transforms.data_distribution import distribute_data
 from shardwise.transforms.precision_policy import mixed_precision
-from shardwise.transforms.replication import replicate
+from shardwise.transforms.replication import Replicate, replicate
 from shardwise.transforms.sharding import Shard
 
-__all__ = ["ARGUMENTS", "DEFAULTS", "TrainingSettings", "read_training_args", "per_device_batch"]
+__all__ = ["ARGUMENTS", "DEFAULTS", "TrainingSettings", "read_training_args", "for_fit",
+           "for_trainer", "training_env_settings", "say", "per_device_batch"]
 
 
 _ACCELERATOR_KEYS = {"split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler",
@@ -58,13 +59,22 @@ _ACCELERATOR_KEYS = {"split_batches", "dispatch_batches", "even_batches", "use_s
 
 
 class TrainingSettings:
-    """What a ``TrainingArguments`` means: env overrides, transforms, ``sw.fit`` options."""
+    """What a ``TrainingArguments`` means: transforms, ``sw.fit`` options, notices (not
+    logged yet: :func:`say` logs what the caller keeps).
 
-    overrides: dict[str, Any]
+    Attributes:
+        default_ddp: the transforms hold ``replicate()`` only because nothing else was asked
+            (no ``fsdp``, ``deepspeed``, mesh or DDP option).
+        notes: lines ``explain()`` lists after the notices, never logged (what ``sw.fit``
+            will do with the loop settings).
+    """
+
     transforms: tuple[Transform, ...]
     fit_options: dict[str, Any]
     notices: tuple[str, ...]
     origin: str
+    default_ddp: bool = False
+    notes: tuple[str, ...] = ()
 
 
 def _fields(args: Any) -> tuple[dict[str, Any], str, bool]:
@@ -167,38 +177,39 @@ def _accumulation(src: Source, a: dict[str, Any], cfg: dict[str, Any]) -> tuple[
     return steps, sync, each
 
 
-def read_training_args(args: Any, env: Env | None = None, engine: str = "native", *,
-                       trainer: bool = False) -> TrainingSettings:
-    """What a ``TrainingArguments`` (or a mapping of its field names) means here;
-    ``trainer``: for a Trainer on shardwise, which runs its own loop and applies the fields
-    with no meaning for ``sw.fit`` (no notices for them, no ``sw.fit`` options).
+def training_env_settings(args: Any) -> dict[str, Any]:
+    """The :func:`~shardwise.detect` settings ``args`` give (``ddp_backend``, ``ddp_timeout``,
+    ``use_cpu``): the caller makes the Env from them; the readers take it made.
+
+    Raises:
+        ConfigError: a value of the wrong type or range, naming the argument.
+    """
+    a, origin, _ = _fields(args)
+    src = Source({}, origin)
+    overrides, _ = ddp_overrides(src, a)
+    if src.boolean("use_cpu", a["use_cpu"]):
+        overrides["device"] = "cpu"
+    return overrides
+
+
+def read_training_args(args: Any, env: Env, engine: str = "native") -> TrainingSettings:
+    """What a ``TrainingArguments`` (or a mapping of its field names) means for the model under
+    ``env`` (made from :func:`training_env_settings`): distribution, precision, accumulation,
+    clipping, compilation, data. What only ``sw.fit`` applies is added by :func:`for_fit`;
+    a Trainer on shardwise, which runs its own loop, takes :func:`for_trainer` of this.
 
     Raises:
         ConfigError: an unknown name, a value of the wrong type or range, a setting with no
             counterpart that changes results, or a contradiction, naming the argument(s).
     """
-    a, origin, instance = _fields(args)
+    a, origin, _ = _fields(args)
     src = Source({}, origin)
-    own = _subclass_fields(args) if instance and not trainer else []
-    if own:
-        src.notice(f"{', '.join(own[:5])}{', ...' if own[5:] else ''}", f"are {origin}'s own "
-                   f"fields, set beyond TrainingArguments': they are not applied here (its "
-                   "Trainer applies them; see sw.on_shardwise)")
-    defaults = _defaults_of(args) if instance else {}
-    for name, why in NOTICED.items():
-        if not trainer and name in a and _is_set(a[name], defaults.get(name)):
-            src.notice(name, why)
+    src.logs = False  # the caller logs what it keeps (say)
     mesh = _mesh_block(src, a.get("parallelism_config"))
     if not src.boolean("average_tokens_across_devices", a["average_tokens_across_devices"]):
         raise src.fail("average_tokens_across_devices", False, "true (the loss is averaged over "
                        "the items of all ranks)")
-    overrides, replicated = ddp_overrides(src, a)
-    if src.boolean("use_cpu", a["use_cpu"]):
-        overrides["device"] = "cpu"
-    if env is None:
-        env = detect(**overrides)
-    elif overrides:
-        env = attrs.evolve(env, **overrides)
+    _, replicated = ddp_overrides(src, a)
     accel = _accelerator(src, a["accelerator_config"])
     steps, sync, each = _accumulation(src, a, accel)
     said = trainer_settings(src, a)
@@ -206,6 +217,7 @@ def read_training_args(args: Any, env: Env | None = None, engine: str = "native"
     if engine == "deepspeed" and a["deepspeed"] is None:
         raise ConfigError.at(origin, "engine=\"deepspeed\" runs the DeepSpeed config of the "
                           "deepspeed argument, which is not set")
+    default_ddp = False
     if a["deepspeed"] is not None:
         if fsdp is not None:
             raise ConfigError.at(origin, "fsdp and deepspeed are both set; choose one")
@@ -219,10 +231,7 @@ def read_training_args(args: Any, env: Env | None = None, engine: str = "native"
                        "under deepspeed (its accumulation follows gradient_accumulation_steps)")
     else:
         out = distribution_transforms(src, fsdp, replicated, each)
-        if trainer and fsdp is None and not mesh and replicated == replicate():
-            # nothing asked of DDP: under a Trainer the pipeline chooses by memory (DDP while
-            # the model fits a safe share of the device, else FSDP2)
-            out = []
+        default_ddp = fsdp is None and not mesh and replicated == replicate()
         if mesh:
             out = parallelism_transforms(src, mesh, out, env, where="parallelism_config.")
         out.append(mixed_precision(trainer_precision(said)))
@@ -234,14 +243,48 @@ def read_training_args(args: Any, env: Env | None = None, engine: str = "native"
             out.append(src.build("max_grad_norm", clip, clip_gradients, clip))
         out.append(per_device_batch(value(said, "micro", None), origin))
     out += _compiled(src, a)
-    # under a Trainer it checkpoints the model itself (gradient_checkpointing_enable)
-    if not trainer and _checkpointing(src, a) and \
-            not any(isinstance(t, CheckpointActivations) for t in out):
+    out.append(_data(src, a, accel))
+    return TrainingSettings(tuple(out), {}, tuple(src.notices), origin, default_ddp)
+
+
+def for_fit(settings: TrainingSettings, args: Any, env: Env) -> TrainingSettings:
+    """``settings`` with what ``sw.fit`` applies of ``args``: its options (epochs, steps,
+    logging, checkpoints), activation checkpointing, and a notice for each loop field with
+    no meaning there (a subclass's own fields included).
+
+    Raises:
+        ConfigError: a loop setting ``sw.fit`` cannot take, naming the argument.
+    """
+    a, origin, instance = _fields(args)
+    src = Source({}, origin)
+    src.logs = False
+    own = _subclass_fields(args) if instance else []
+    if own:
+        src.notice(f"{', '.join(own[:5])}{', ...' if own[5:] else ''}", f"are {origin}'s own "
+                   f"fields, set beyond TrainingArguments': they are not applied here (its "
+                   "Trainer applies them; see sw.on_shardwise)")
+    defaults = _defaults_of(args) if instance else {}
+    for name, why in NOTICED.items():
+        if name in a and _is_set(a[name], defaults.get(name)):
+            src.notice(name, why)
+    out = list(settings.transforms)
+    if _checkpointing(src, a) and not any(isinstance(t, CheckpointActivations) for t in out):
         policy = next((t.policy for t in out if isinstance(t, Shard)), None)
         out.append(checkpoint_activations(policy))
-    out.append(_data(src, a, accel))
-    fit, notes = fit_settings(src, a, env.world_size) if not trainer else ({}, [])
-    return TrainingSettings(overrides, tuple(out), fit, (*src.notices, *notes), origin)
+    fit, notes = fit_settings(src, a, env.world_size)
+    return attrs.evolve(settings, transforms=tuple(out), fit_options=fit,
+                        notices=(*src.notices, *settings.notices), notes=tuple(notes))
+
+
+def for_trainer(settings: TrainingSettings) -> TrainingSettings:
+    """``settings`` as a Trainer on shardwise takes them: it applies its loop fields itself
+    (no notices for them, no ``sw.fit`` options, its own gradient checkpointing), and where
+    nothing was asked of DDP the pipeline chooses by memory (DDP while the model fits a safe
+    share of the device, else FSDP2) instead of a plain ``replicate()``."""
+    if not settings.default_ddp:
+        return settings
+    return attrs.evolve(settings, transforms=tuple(
+        t for t in settings.transforms if not isinstance(t, Replicate)))
 
 
 def _compiled(src: Source, a: dict[str, Any]) -> list[Transform]:

@@ -96,8 +96,8 @@ def said(src: Source, key: str, value: Any, read_: Callable[[Source, str, Any], 
     if value is None:
         return None
     if auto and isinstance(value, str) and value == AUTO:
-        return Said(key, AUTO, value, src.origin)
-    return Said(key, read_(src, key, value), value, src.origin)
+        return Said(src.key(key), AUTO, value, src.origin)
+    return Said(src.key(key), read_(src, key, value), value, src.origin)
 
 
 def device(src: Source, key: str, value: Any) -> str:
@@ -313,7 +313,8 @@ def read_block(src: Source, block: dict[str, Any], precision: str) -> Settings:
             settings[name] = found
     if precision != "no":  # "no" is what Accelerate writes when the file decides precision
         for name in ("fp16", "bf16"):
-            settings[name] = Said("mixed_precision", name == precision, precision, src.origin)
+            settings[name] = Said(src.key("mixed_precision"), name == precision, precision,
+                                  src.origin)
     inner = _file(src, block)
     if inner is None:
         return settings

@@ -19,7 +19,7 @@ from torch.utils.data import (
 
 from shardwise.env import Env
 from shardwise.errors import DataError
-from shardwise.parallel.mesh import MeshLayout
+from shardwise.parallel.mesh import MeshLayout, data_share
 
 __all__ = ["DeviceLoader", "ResumableSampler", "to_device", "shard_loader", "same_batch"]
 
@@ -347,11 +347,9 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
         DataError: several ranks and a loader that cannot be split across them, or a
             ``DistributedSampler`` of the user's that splits over other ranks than the data's.
     """
-    shares, share = env.world_size, env.rank
-    if mesh is not None:
-        shares, share = mesh.data_ranks(env.world_size), mesh.data_rank(env.rank)
+    shares, share, copies = data_share(env, mesh)
     if isinstance(getattr(loader, "sampler", None), DistributedSampler):
-        _check_own_sampler(loader, mesh.copies if mesh is not None else 1, shares, share)
+        _check_own_sampler(loader, copies, shares, share)
         return loader
     problem = _unsplittable(loader)
     if problem is not None:

@@ -478,6 +478,36 @@ def test_mesh_sizes_are_worked_out_in_mesh_py_and_asked_by_name():
         layout_of(sw.Env(world_size=4, local_world_size=4), [sw.context_parallel(size=3)])
 
 
+def test_a_new_model_split_is_one_row_of_the_table(monkeypatch):
+    """A dimension that splits the model is declared once (a row of ``SPLITS`` and a
+    transform's ``mesh_dims``): its default size, its place, the block that reads one batch,
+    each rank's data share and the divisibility message follow from the table."""
+    from shardwise.errors import EnvError
+    from shardwise.parallel import mesh
+
+    class Declares:  # a transform of a new kind, as layout_of sees one
+        def __init__(self, dims):
+            self.dims = dims
+
+        def mesh_dims(self):
+            return self.dims
+
+    monkeypatch.setattr(mesh, "SPLITS", (*mesh.SPLITS[:2], ("xp", "new_parallel"),
+                                         mesh.SPLITS[2]))
+    env = sw.Env(world_size=16, local_world_size=8)
+    new = mesh.layout_of(env, [sw.shard(), sw.tensor_parallel(size=2), Declares({"xp": None})])
+    # None: the ranks of a node the tp groups inside it leave (8 / 2)
+    assert new.dims == (("dp_shard", 2), ("xp", 4), ("tp", 2))
+    assert (new.copies, new.data_ranks(16), new.holders) == (8, 2, 2)
+    assert mesh.data_share(attrs.evolve(env, rank=9), new) == (2, 1, 8)
+    with pytest.raises(EnvError, match=r"new_parallel\(size=3\) x tensor_parallel\(size=2\) "
+                       r"must divide the world size 16"):
+        mesh.layout_of(env, [Declares({"xp": 3}), sw.tensor_parallel(size=2)])
+    with pytest.raises(EnvError, match=r"tensor_parallel\(size=None: the 6 ranks of a node\) "
+                       r"must divide the world size 8"):
+        mesh.layout_of(sw.Env(world_size=8, local_world_size=6), [sw.tensor_parallel()])
+
+
 def test_the_test_tiers_are_visible_in_the_layout():
     """tests/unit starts no process group or job, tests/distributed runs real ranks (gloo on
     CPU), tests/gpu is behind the ``gpu`` marker; no test module sits outside a tier."""

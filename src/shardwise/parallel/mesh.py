@@ -19,6 +19,7 @@ sent to the next stage's rank). The ranks of one ``pp x cp x tp`` block read the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ from shardwise.errors import ConflictError, EnvError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MeshLayout", "layout", "layout_of", "tp_size", "build", "data_mesh",
+__all__ = ["MeshLayout", "SPLITS", "layout", "layout_of", "data_share", "build", "data_mesh",
            "with_dimension", "stage_peers"]
 
 
@@ -67,7 +68,7 @@ class MeshLayout:
     def copies(self) -> int:
         """Ranks that read each batch: one pipeline-, context- and tensor-parallel block
         (``pp x cp x tp``)."""
-        return self.pp * self.cp * self.tp
+        return math.prod(self.size(name) for name, _ in SPLITS)
 
     @property
     def data_names(self) -> tuple[str, ...]:
@@ -107,9 +108,22 @@ class MeshLayout:
         return " x ".join(f"{name}={size}" for name, size in self.dims)
 
 
-def tp_size(env: Env, asked: int | None) -> int:
-    """Ranks per tensor-parallel group: the size asked for, or (None) the ranks of a node."""
-    return asked if asked is not None else env.local_world_size
+def data_share(env: Env, mesh: MeshLayout | None) -> tuple[int, int, int]:
+    """``(shares, share, copies)``: how many different shares of the data the ranks read,
+    which one this rank reads, and how many ranks read each (one ``pp x cp x tp`` block);
+    without a mesh every rank reads its own. The one place this is worked out: the data
+    split, the Trainer's Accelerate-style split and its epoch remainder ask it."""
+    if mesh is None:
+        return env.world_size, env.rank, 1
+    return mesh.data_ranks(env.world_size), mesh.data_rank(env.rank), mesh.copies
+
+
+#: the dimensions that split the model, outermost first, each with the transform that asks
+#: for it: the ranks of one block of them read the same batch, the ranks left over form the
+#: data dimensions. A new kind of model split is one row here and a transform declaring
+#: it in ``mesh_dims()``; its size, its place, the block, the checks and the messages follow.
+SPLITS: tuple[tuple[str, str], ...] = (("pp", "pipeline_parallel"), ("cp", "context_parallel"),
+                                       ("tp", "tensor_parallel"))
 
 
 def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
@@ -123,7 +137,7 @@ def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
         env: the ranks.
         tp: ranks per tensor-parallel group.
         replicate_across_nodes: a ``dp_replicate`` dimension of one replica per node.
-        asked: how the size was asked for, for messages (default ``size=<tp>``).
+        asked: how the ``tp`` size was asked for, for messages (default ``size=<tp>``).
         with_tp: a ``tp`` dimension (of size ``tp``); without one, the data dimensions only.
         cp: ranks per context-parallel group: a ``cp`` dimension (None: none).
         pp: ranks per pipeline-parallel group: a ``pp`` dimension (None: none).
@@ -135,66 +149,70 @@ def layout(env: Env, *, tp: int = 1, replicate_across_nodes: bool = False,
         >>> layout(sw.Env(world_size=8, local_world_size=8), tp=2).describe()
         'dp_shard=4 x tp=2'
     """
+    sizes = {"pp": pp, "cp": cp, "tp": tp if with_tp else None}
+    return _sized(env, {k: v for k, v in sizes.items() if v is not None},
+                  replicate_across_nodes, {"tp": asked} if asked else {})
+
+
+def _sized(env: Env, sizes: dict[str, int], replicate_across_nodes: bool,
+           asked: dict[str, str]) -> MeshLayout:
+    """The layout of the splitting dimensions ``sizes`` (by name, from :data:`SPLITS`), the
+    data dimensions around them; ``asked``: how a size was asked for, for messages."""
     world = env.world_size
-    if tp < 1 or world % tp:
-        raise EnvError(f"tensor_parallel({asked or f'size={tp}'}) must divide the world size {world} (the "
-                       "ranks left over form the data-parallel dimensions); launch a multiple "
-                       f"of {tp} processes, or pass a size that divides {world}")
-    block = tp * (cp or 1) * (pp or 1)
-    if (cp is not None or pp is not None) and ((cp or 1) < 1 or (pp or 1) < 1 or world % block):
-        parts = [f"{name}(size={size})" for name, size in (
-            ("pipeline_parallel", pp), ("context_parallel", cp)) if size is not None]
-        raise EnvError(f"{' x '.join([*parts, f'tensor_parallel(size={tp})'])} must divide "
-                       f"the world size {world} (the ranks left over form the data-parallel "
-                       f"dimensions); launch a multiple of {block} processes, or pass sizes "
-                       f"whose product divides {world}")
+    given = [(name, factory, sizes[name]) for name, factory in SPLITS if name in sizes]
+    block = math.prod(size for _, _, size in given)
+    if any(size < 1 for _, _, size in given) or world % block:
+        parts = " x ".join(f"{factory}({asked.get(name) or f'size={size}'})"
+                           for name, factory, size in given)
+        sizes_ = "a size that divides" if len(given) == 1 else "sizes whose product divides"
+        raise EnvError(f"{parts} must divide the world size {world} (the ranks left over form "
+                       f"the data-parallel dimensions); launch a multiple of {block} processes, "
+                       f"or pass {sizes_} {world}")
     dims: list[tuple[str, int]] = []
     if replicate_across_nodes:
         per_node = env.local_world_size
         if env.num_nodes * per_node != world or per_node % block or \
                 env.rank != env.node_rank * per_node + env.local_rank:
+            shown = ", ".join(f"{name}={size}" for name, _, size in given)
             raise EnvError(
                 f"a mesh replicated across nodes (shard(replicate_across_nodes=True)) needs the "
                 f"same number of ranks on every node, numbered node by node, a multiple of the "
-                f"tensor-parallel size (got world_size={world}, num_nodes={env.num_nodes}, "
+                f"model-parallel block (got world_size={world}, num_nodes={env.num_nodes}, "
                 f"local_world_size={per_node}, rank={env.rank}, node_rank={env.node_rank}, "
-                f"local_rank={env.local_rank}, tp={tp}, cp={cp or 1}, pp={pp or 1}); launch an "
+                f"local_rank={env.local_rank}{', ' + shown if shown else ''}); launch an "
                 "equal number of processes per node, or pass shard() a mesh of your own")
         dims.append(("dp_replicate", env.num_nodes))
         dims.append(("dp_shard", per_node // block))
     else:
         dims.append(("dp_shard", world // block))
-    if pp is not None:
-        dims.append(("pp", pp))
-    if cp is not None:
-        dims.append(("cp", cp))
-    if with_tp:
-        dims.append(("tp", tp))
-    return MeshLayout(tuple(dims))
+    return MeshLayout((*dims, *((name, size) for name, _, size in given)))
 
 
 def layout_of(env: Env, transforms: Iterable[Any]) -> MeshLayout | None:
     """The one mesh ``transforms`` run on under ``env``: the dimensions they declare
-    (``mesh_dims()``), sized here; None in one process, or when none declares one."""
-    asked: dict[str, int | None] = {}
+    (``mesh_dims()``), sized here; None in one process, or when none declares one. A
+    splitting dimension left at ``size=None`` takes the ranks of a node the dimensions
+    inside it leave (``tp``, innermost: the whole node)."""
+    declared: dict[str, int | None] = {}
     for transform in transforms:
         for name, size in transform.mesh_dims().items():
-            asked[name] = size if size is not None else asked.get(name)
-    if not asked or not env.is_distributed:
+            declared[name] = size if size is not None else declared.get(name)
+    if not declared or not env.is_distributed:
         return None
-    with_tp = "tp" in asked
-    tp = tp_size(env, asked.get("tp")) if with_tp else 1
-    how = None if asked.get("tp") is not None or not with_tp else \
-        f"size=None: the {env.local_world_size} ranks of a node"
-    cp = None
-    if "cp" in asked:  # None: the ranks of a node the tensor-parallel groups leave
-        cp = asked["cp"] if asked["cp"] is not None else max(1, env.local_world_size // tp)
-    pp = None
-    if "pp" in asked:  # None: the ranks of a node the other groups leave
-        pp = asked["pp"] if asked["pp"] is not None else max(1, env.local_world_size // (
-            tp * (cp or 1)))
-    return layout(env, tp=tp, replicate_across_nodes="dp_replicate" in asked, asked=how,
-                  with_tp=with_tp, cp=cp, pp=pp)
+    sizes: dict[str, int] = {}
+    asked: dict[str, str] = {}
+    inner = 1
+    for name, _ in reversed(SPLITS):  # innermost first: a default fills what is left
+        if name not in declared:
+            continue
+        size = declared[name]
+        if size is None:
+            size = max(1, env.local_world_size // inner)
+            asked[name] = f"size=None: the {size} ranks of a node" + (
+                " left by the groups inside it" if inner > 1 else "")
+        sizes[name] = size
+        inner *= size
+    return _sized(env, sizes, "dp_replicate" in declared, asked)
 
 
 def data_mesh(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:

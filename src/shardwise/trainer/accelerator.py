@@ -31,6 +31,7 @@ from shardwise.data import DeviceLoader
 from shardwise.distributed import leave_at_exit, leave_group
 from shardwise.errors import ArgumentError
 from shardwise.metrics import gather_for_metrics
+from shardwise.parallel.mesh import data_share
 from shardwise.pipelines import Pipeline
 from shardwise.trainer.from_accelerate import (
     REFUSED,
@@ -447,8 +448,7 @@ class ShardwiseAccelerator:
             samples = len(loader.dataset)
         except TypeError:
             return 0
-        mesh = DistributeData.mesh(self.env, self.plan)
-        ranks = mesh.data_ranks(self.env.world_size) if mesh is not None else self.env.world_size
+        ranks, _, _ = data_share(self.env, DistributeData.mesh(self.env, self.plan))
         return int(samples % ((getattr(sizes, "batch_size", None) or 1) * ranks))
 
     def gather(self, tensor: Any) -> Any:

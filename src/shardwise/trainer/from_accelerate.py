@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from shardwise.data import DeviceLoader
 from shardwise.env import variables_hidden
+from shardwise.parallel.mesh import data_share
 from shardwise.transforms.data_distribution import DistributeData
 
 __all__ = ["REFUSED", "accelerate_precision", "amp_forward", "bridge_accelerate_state",
@@ -125,9 +126,7 @@ def split_as_accelerate(loader: DataLoader, env: Any, plan: Any) -> DeviceLoader
     resumes as on Accelerate (:func:`skip_batches`)."""
     from accelerate.data_loader import BatchSamplerShard
 
-    mesh = DistributeData.mesh(env, plan)
-    shares, share = (mesh.data_ranks(env.world_size), mesh.data_rank(env.rank)) \
-        if mesh is not None else (env.world_size, env.rank)
+    shares, share, _ = data_share(env, DistributeData.mesh(env, plan))
     batches = BatchSamplerShard(loader.batch_sampler, num_processes=shares,
                                 process_index=share, split_batches=False, even_batches=True)
     return DeviceLoader(_rebatched(loader, batches), env.device)

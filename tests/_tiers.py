@@ -18,7 +18,7 @@ from pathlib import Path
 
 #: calls that start processes (the last part of the called name)
 STARTERS = frozenset({"run_distributed", "run_jobs", "Popen", "check_output", "check_call",
-                      "Process", "spawn", "start_processes"})
+                      "Process", "spawn", "start_processes", "fork"})
 #: ``subprocess.run(...)``, not every ``run``
 QUALIFIED = frozenset({"subprocess.run"})
 TORCHRUN = ("torch.distributed.run", "torchrun", "--nproc_per_node", "shardwise launch")

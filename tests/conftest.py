@@ -4,6 +4,7 @@ import copy
 import os
 import random
 import signal
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -222,6 +223,44 @@ def lm_and_adamw():
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=64, dim=16, heads=2, layers=2)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+# -- the lifecycle matrix: each layout shardwise offers, one line -----------------------------
+# tests/distributed/test_lifecycle.py runs every row on real ranks; tests/unit/
+# test_lifecycle_matrix.py fails when a transform that distributes a model is in no row.
+
+DEEPSPEED = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": "auto",
+             "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+             "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "steps_per_print": 10**9}
+
+
+class Layout(NamedTuple):
+    ranks: int
+    parts: tuple
+    data_ranks: int = 1  # ranks reading different batches (each reads GLOBAL_BATCH / this)
+    nodes: int = 1  # ranks posing as this many nodes (HSDP)
+    #: one process computes what this layout computes (local SGD's replicas do not)
+    equals_one_process: bool = True
+    #: the model's own mean loss (DeepSpeed divides by its accumulation steps itself)
+    mean_loss: bool = False
+
+
+LAYOUTS = {
+    "replicate": Layout(2, (sw.replicate(),), data_ranks=2),
+    "shard": Layout(2, (sw.shard(),), data_ranks=2),
+    "hsdp": Layout(4, (sw.shard(replicate_across_nodes=True),), data_ranks=4, nodes=2),
+    "shard_optimizer": Layout(2, (sw.replicate(), sw.shard_optimizer()), data_ranks=2),
+    "tensor_parallel": Layout(2, (sw.tensor_parallel(),)),
+    "context_parallel": Layout(2, (sw.context_parallel(),)),
+    "pp_1f1b": Layout(2, (sw.pipeline_parallel(schedule="1F1B"),)),
+    "pp_interleaved": Layout(2, (sw.pipeline_parallel(schedule="Interleaved1F1B"),)),
+    "pp_x_tp": Layout(4, (sw.pipeline_parallel(size=2), sw.tensor_parallel(size=2))),
+    "pp_x_dp_shard": Layout(4, (sw.pipeline_parallel(size=2), sw.shard()), data_ranks=2),
+    "cp_x_tp": Layout(4, (sw.context_parallel(size=2), sw.tensor_parallel(size=2))),
+    "local_sgd": Layout(2, (sw.replicate(), sw.local_sgd(2)), data_ranks=2,
+                        equals_one_process=False),
+    "deepspeed": Layout(2, (sw.deepspeed(DEEPSPEED),), data_ranks=2, mean_loss=True),
+}
 
 
 def pytest_collection_modifyitems(config, items):

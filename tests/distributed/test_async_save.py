@@ -1,4 +1,5 @@
 # sw.save(blocking=False): training goes on while files are written; published only when every rank is done.
+# Its tests that start no process are in tests/unit/test_background_save.py.
 """A checkpoint written in the background holds the state of the moment it was asked for
 (staged to host memory), loads and resumes exactly like a blocking one, is published only
 after every rank's files are written, and a failure publishes nothing."""
@@ -16,7 +17,6 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.errors import CheckpointError
 from shardwise.testing import full_state, run_distributed
 
 from conftest import build_lm
@@ -81,47 +81,6 @@ def test_two_ranks_async_checkpoint_holds_the_asked_state_and_resumes_exactly(tm
         assert equal(again["loaded"], rank["asked"][4])
         assert not equal(rank["asked"][4], rank["end"])
         assert equal(again["end"], rank["end"])
-
-
-def test_one_process_async_equals_blocking(tmp_path):
-    background = train(str(tmp_path / "a"), [], blocking=False)
-    blocking = train(str(tmp_path / "b"), [], blocking=True)
-    assert equal(background["end"], blocking["end"])
-    for name in ("a", "b"):
-        assert resume(str(tmp_path / name), [])["step_loaded"] == "step_00000004"
-    assert equal(resume(str(tmp_path / "a"), [])["loaded"], blocking["asked"][4])
-
-
-def test_a_failed_background_write_publishes_nothing(tmp_path, monkeypatch):
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    path = tmp_path / "ckpt"
-    bundle = build_lm([])
-    state, batches = bundle.init(), batches_of(bundle)
-    while state.step < 2:
-        state, _ = bundle.step(state, next(batches))
-    sw.save(path, bundle, state)  # a good one first
-    while state.step < 4:
-        state, _ = bundle.step(state, next(batches))
-
-    def full_disk(self, plan, planner):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
-    handle = sw.save(path, bundle, state, blocking=False)
-    with pytest.raises(CheckpointError, match=r"no space left on device.*still names the previous"):
-        handle.result()
-    assert sw.latest_checkpoint(path).name == "step_00000002"
-    assert not list(path.glob(".tmp.*"))  # the unpublished files are removed
-    assert "failed" in repr(handle)
-
-
-def test_arguments_are_checked():
-    bundle = build_lm([])
-    with pytest.raises(sw.errors.ArgumentError, match="'blocking' must be True or False"):
-        sw.save("x", bundle, bundle.init(), blocking="no")
-    with pytest.raises(sw.errors.ArgumentError, match="'async_checkpoints' must be True or False"):
-        sw.fit(bundle, steps=1, async_checkpoints=1)
 
 
 def fit_async(path):

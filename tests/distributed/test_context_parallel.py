@@ -1,4 +1,5 @@
 # context_parallel() on real gloo ranks: cp=2, cp=4 and dp_shard=2 x cp=2 against one process.
+# Its tests that start no process are in tests/unit/test_parallel_plans.py.
 """A tiny Transformers Llama with per-sample prompt masks and right padding, trained 4
 optimizer steps (accumulation 2, clipping) with each sequence split across a context-parallel
 group, must match one process on the same global batches; its evaluation loss, token accuracy
@@ -332,15 +333,6 @@ def test_context_parallel_refuses_what_it_cannot_split():
         assert "call the model through bundle.step" in found["direct"]
         assert "splits causal language models" in found["encoder"]
         assert "'flex_attention' does not honour" in found["flex"]
-
-
-def test_context_parallel_arguments_are_checked():
-    with pytest.raises(sw.errors.ArgumentError, match="'size'"):
-        sw.context_parallel(size=0)
-    with pytest.raises(sw.errors.ArgumentError, match="ring"):
-        sw.context_parallel(method="ring")
-    with pytest.raises(ConflictError, match="deepspeed"):
-        sw.pipeline(sw.context_parallel(), sw.deepspeed({"zero_optimization": {"stage": 2}}))
 
 
 def unlabelled(parts_list):

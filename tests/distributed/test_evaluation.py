@@ -1,4 +1,5 @@
 # Evaluation: predict at the training precision, exact metrics over padded shards, reduce, main first.
+# Its tests that start no process are in tests/unit/test_evaluate.py.
 import os
 import time
 
@@ -137,26 +138,6 @@ def test_any_number_of_extra_loaders_are_distributed_and_gathered_exactly():
         sw.Bundle(model=torch.nn.Linear(2, 2), env=ONE).distribute([1, 2])  # built by hand
 
 
-def test_predict_runs_without_gradients_in_eval_mode_at_the_training_precision():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
-    bundle = sw.pipeline(ONE, sw.mixed_precision("bf16"))(model, torch.optim.SGD(model.parameters()))
-    x = torch.ones(2, 4)
-    out = bundle.predict(x)
-    assert out.dtype == torch.bfloat16 and not out.requires_grad
-    assert torch.equal(out, bundle.predict(x))  # dropout off
-    assert model.training
-    fp32 = sw.pipeline(ONE)(torch.nn.Linear(4, 4), None)
-    assert fp32.predict(x).dtype == torch.float32
-
-
-def test_gather_and_reduce_in_one_process_return_the_values():
-    values = {"a": torch.arange(3), "b": (torch.ones(2),)}
-    assert sw.gather_for_metrics(values) is values
-    assert float(sw.reduce(2.5, op="max")) == 2.5
-    with pytest.raises(ValueError, match="'op' must be 'mean', 'sum', 'max' or 'min' .got 'avg'"):
-        sw.reduce(1.0, op="avg")
-
-
 def first_then_others(path):
     env = sw.detect()
     with sw.main_process_first(env):
@@ -171,9 +152,3 @@ def first_then_others(path):
 def test_main_process_first_lets_the_others_in_after_it(tmp_path):
     path = str(tmp_path / "prepared.txt")
     assert run_distributed(first_then_others, path, world_size=2) == [True, True]
-
-
-def test_explain_says_where_shardwise_differs_from_accelerate():
-    text = sw.pipeline(ONE, sw.mixed_precision("bf16")).explain()
-    assert "scheduler: steps once per optimizer step" in text
-    assert "bundle.predict runs at the training precision" in text

@@ -1,4 +1,5 @@
 # Every layout through the whole run: resume, resume in one process, save at exit, export, a kill.
+# Its tests that start no process are in tests/unit/test_lifecycle_matrix.py.
 """The lifecycle matrix (docs/reliability.md): each layout shardwise offers trains a tiny
 Transformers Llama on real gloo ranks and goes through every event of a run's life:
 
@@ -15,12 +16,12 @@ Transformers Llama on real gloo ranks and goes through every event of a run's li
 
 Two process starts per layout: the first run (a's reference, the save at step 2, c, d),
 then the resume (a) that ends killed mid-save (e); (b) and the checks run in the test's own
-process. A layout is one line of ``LAYOUTS``; ``test_every_distributing_transform_is_in_the_matrix``
+process. A layout is one line of ``LAYOUTS`` (tests/conftest.py);
+``test_every_distributing_transform_is_in_the_matrix`` (tests/unit/test_lifecycle_matrix.py)
 fails when a transform that spreads the model over ranks is in none.
 """
 
 import shutil
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -31,8 +32,8 @@ import shardwise as sw
 from shardwise.errors import CheckpointError, RankFailedError
 from shardwise.testing import max_param_diff, run_distributed
 
+from conftest import LAYOUTS, llama
 from conftest import Prompts as SharedPrompts
-from conftest import llama
 
 pytest.importorskip("transformers")
 
@@ -41,38 +42,6 @@ ACCUMULATE = 2
 SAVE_AT, STEPS = 2, 4  # optimizer steps: a save mid-epoch (4 steps an epoch), then its end
 #: the layouts' deliberate departures from one process, as measured (see the tests of each)
 ONE_PROCESS_BOUND = 1e-5
-DEEPSPEED = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": "auto",
-             "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-             "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "steps_per_print": 10**9}
-
-
-class Layout(NamedTuple):
-    ranks: int
-    parts: tuple
-    data_ranks: int = 1  # ranks reading different batches (each reads GLOBAL_BATCH / this)
-    nodes: int = 1  # ranks posing as this many nodes (HSDP)
-    #: one process computes what this layout computes (local SGD's replicas do not)
-    equals_one_process: bool = True
-    #: the model's own mean loss (DeepSpeed divides by its accumulation steps itself)
-    mean_loss: bool = False
-
-
-LAYOUTS = {
-    "replicate": Layout(2, (sw.replicate(),), data_ranks=2),
-    "shard": Layout(2, (sw.shard(),), data_ranks=2),
-    "hsdp": Layout(4, (sw.shard(replicate_across_nodes=True),), data_ranks=4, nodes=2),
-    "shard_optimizer": Layout(2, (sw.replicate(), sw.shard_optimizer()), data_ranks=2),
-    "tensor_parallel": Layout(2, (sw.tensor_parallel(),)),
-    "context_parallel": Layout(2, (sw.context_parallel(),)),
-    "pp_1f1b": Layout(2, (sw.pipeline_parallel(schedule="1F1B"),)),
-    "pp_interleaved": Layout(2, (sw.pipeline_parallel(schedule="Interleaved1F1B"),)),
-    "pp_x_tp": Layout(4, (sw.pipeline_parallel(size=2), sw.tensor_parallel(size=2))),
-    "pp_x_dp_shard": Layout(4, (sw.pipeline_parallel(size=2), sw.shard()), data_ranks=2),
-    "cp_x_tp": Layout(4, (sw.context_parallel(size=2), sw.tensor_parallel(size=2))),
-    "local_sgd": Layout(2, (sw.replicate(), sw.local_sgd(2)), data_ranks=2,
-                        equals_one_process=False),
-    "deepspeed": Layout(2, (sw.deepspeed(DEEPSPEED),), data_ranks=2, mean_loss=True),
-}
 
 
 class Prompts(SharedPrompts):
@@ -252,22 +221,3 @@ def refuses_a_record_of_one_stage(checkpoint, bundle):
                                                         "sealed": integrity._sealed(files)}))
     with pytest.raises(CheckpointError, match="records no hyperparameters for"):
         sw.load(forged, bundle)
-
-
-def test_every_distributing_transform_is_in_the_matrix():
-    """A transform that spreads the model over ranks, or keeps replicas in step, is a layout:
-    the matrix must hold it (add one line to LAYOUTS)."""
-    def subclasses(cls):
-        for sub in cls.__subclasses__():
-            yield sub
-            yield from subclasses(sub)
-
-    import shardwise.deepspeed_engine.transform  # noqa: F401  (its transform class)
-
-    distributing = {cls for cls in subclasses(sw.transforms.Transform)  # shardwise's own
-                    if cls.distributes and "factory_name" in vars(cls)
-                    and cls.__module__.startswith("shardwise.")}
-    covered = {type(part) for layout in LAYOUTS.values() for part in layout.parts}
-    assert len(distributing) >= 8
-    missing = sorted(cls.factory_name for cls in distributing - covered)
-    assert missing == [], f"no lifecycle row for {missing}: add it to LAYOUTS"

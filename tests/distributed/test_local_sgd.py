@@ -1,9 +1,8 @@
 # sw.local_sgd: each replica steps alone, parameters averaged every k steps, as Accelerate's LocalSGD.
-import pytest
+# Its tests that start no process are in tests/unit/test_local_sgd_and_ulysses.py.
 import torch
 
 import shardwise as sw
-from shardwise.errors import ConflictError
 from shardwise.testing import TinyMLP, run_distributed
 
 EVERY, STEPS = 3, 6
@@ -104,30 +103,6 @@ def test_a_save_is_a_synchronisation_point_and_a_resumed_run_equals_the_uninterr
         for name, value in whole[rank].items():
             assert torch.equal(resumed[rank][name], value), (rank, name)
     assert all(torch.equal(whole[0][k], whole[1][k]) for k in whole[0])
-
-
-def test_local_sgd_is_refused_where_it_cannot_run():
-    with pytest.raises(ValueError, match="every"):
-        sw.local_sgd(every=0)
-    with pytest.raises(ConflictError, match=r"local_sgd\(every=2\) needs replicate\(\)"):
-        sw.pipeline(sw.Env(), sw.shard(), sw.local_sgd(every=2))
-    with pytest.raises(ConflictError, match="ZeRO-1 broadcasts"):
-        sw.pipeline(sw.Env(), sw.replicate(), sw.shard_optimizer(), sw.local_sgd(every=2))
-
-
-def test_in_one_process_local_sgd_changes_nothing():
-    def run(*extra):
-        torch.manual_seed(0)
-        model = TinyMLP()
-        bundle = sw.pipeline(sw.Env(), sw.replicate(), *extra)(
-            model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-        state = bundle.init()
-        for batch in batches(0):
-            state, _ = bundle.step(state, batch)
-        return snapshot(model)
-
-    plain, local = run(), run(sw.local_sgd(every=EVERY))
-    assert all(torch.equal(plain[k], local[k]) for k in plain)
 
 
 class Pairs(torch.utils.data.Dataset):

@@ -1,4 +1,5 @@
 # The mesh layout is one value: explain(), the memory estimate and the real ranks read the same sizes.
+# Its tests that start no process are in tests/unit/test_parallel_plans.py.
 import pytest
 import torch
 
@@ -6,8 +7,6 @@ import shardwise as sw
 from shardwise.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
-
-EIGHT = sw.Env(world_size=8, local_world_size=8)
 
 
 def heads8():
@@ -19,23 +18,6 @@ def heads8():
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=32,
         attn_implementation="sdpa"))
-
-
-def test_a_transform_at_size_none_is_sized_from_the_one_layout_in_explain():
-    """8 ranks, context_parallel() and pipeline_parallel() left at size=None beside
-    tensor_parallel(size=2): each is sized from the layout (4), as the mesh line says (they
-    said 8 ranks, from a layout of themselves alone)."""
-    cp = sw.pipeline(EIGHT, sw.context_parallel(), sw.tensor_parallel(size=2), sw.shard())
-    text = cp.explain()
-    assert "Ulysses over the mesh's cp dimension (4 ranks)" in text
-    assert "mesh: dp_shard=1 x cp=4 x tp=2 over 8 ranks" in text
-    pp = sw.pipeline(EIGHT, sw.pipeline_parallel(), sw.tensor_parallel(size=2)).explain()
-    assert "pp dimension (4 ranks, 4 stages, 1 per rank)" in pp and "8 stages" not in pp
-    assert "mesh: dp_shard=1 x pp=4 x tp=2 over 8 ranks" in pp
-    # the memory estimate reads the same layout: 4 stages over 4 pipeline ranks
-    estimate = sw.estimate_memory(heads8(), sw.pipeline(EIGHT, sw.pipeline_parallel(),
-                                                        sw.tensor_parallel(size=2)))
-    assert "pipeline parallel over 4 ranks" in estimate.layout
 
 
 def on_eight_fake_ranks():

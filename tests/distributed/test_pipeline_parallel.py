@@ -1,4 +1,5 @@
 # pipeline_parallel() on real gloo ranks: every torch schedule on 2 ranks against one process.
+# Its tests that start no process are in tests/unit/test_parallel_plans.py.
 """A tiny Transformers Llama (4 layers) with per-sample prompt masks and right padding, trained
 4 optimizer steps (accumulation 2, clipping) with its layers cut into pipeline stages, must
 match one process on the same global batches under every schedule; a checkpoint goes from
@@ -442,20 +443,3 @@ def test_what_cannot_be_cut_or_divided_is_refused_naming_the_numbers():
     assert "stages: stage 0: model.layers.0-1 (+ embeddings)" in found["explain"]
     assert "stage 1: model.layers.2-3 (+ norm and head)" in found["explain"]
     assert "stage 0: model.layers.0 (+ embeddings)" in found["given"]
-
-
-def test_arguments_are_checked():
-    with pytest.raises(ArgumentError, match="'schedule' must be one of GPipe, 1F1B"):
-        sw.pipeline_parallel(schedule="Zigzag")
-    with pytest.raises(ArgumentError, match="runs one stage per rank"):
-        sw.pipeline_parallel(schedule="1F1B", stages_per_rank=2)
-    with pytest.raises(ArgumentError, match="exactly 2 stages per rank"):
-        sw.pipeline_parallel(schedule="DualPipeV", stages_per_rank=3)
-    with pytest.raises(ArgumentError, match="'microbatches' must be None or an integer"):
-        sw.pipeline_parallel(microbatches=0)
-    with pytest.raises(ConflictError, match="use shard.. for the data ranks"):
-        sw.pipeline(sw.pipeline_parallel(), sw.replicate())
-    with pytest.raises(ConflictError, match="not combined with pipeline_parallel yet"):
-        sw.pipeline(sw.pipeline_parallel(), sw.local_sgd(4))
-    with pytest.raises(ConflictError, match="use shard.reshard_after_forward=False."):
-        sw.pipeline(sw.pipeline_parallel(schedule="DualPipeV"), sw.shard())

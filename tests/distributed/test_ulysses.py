@@ -1,9 +1,9 @@
 # Ulysses' exchange: attention on sequence slices equals attention on whole sequences, forward and backward.
+# Its tests that start no process are in tests/unit/test_local_sgd_and_ulysses.py.
 import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.errors import ConflictError
 from shardwise.parallel.ulysses import sequence_slice, ulysses_attention
 from shardwise.testing import run_distributed
 
@@ -56,9 +56,3 @@ def test_attention_on_sequence_slices_equals_attention_on_whole_sequences(world,
         for grad, full in zip(grads, inputs, strict=True):
             torch.testing.assert_close(grad, sequence_slice(full.grad, rank, world, dim=2),
                                        rtol=0, atol=1e-6)
-
-
-def test_slices_and_heads_that_do_not_divide_are_refused_by_number():
-    with pytest.raises(ConflictError, match="length divides by 4; got length 6"):
-        sequence_slice(torch.zeros(1, 6), 0, 4)
-    assert sequence_slice(torch.arange(8).reshape(1, 8), 1, 2).tolist() == [[4, 5, 6, 7]]

@@ -1,4 +1,5 @@
-# sw.evaluate in one process: each labelled token (or sample) counted once, and fit's eval/loss.
+# Evaluation in one process: sw.evaluate counts each labelled token (or sample) once, fit's eval/loss,
+# predict at the training precision, gather and reduce.
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -92,3 +93,31 @@ def test_fit_logs_evaluate_as_its_eval_loss():
     sw.fit(bundle, steps=2, eval_fn=sw.evaluate, eval_every=2, log_every=None, loggers=[Record()],
            progress=False)
     assert logged[-1]["eval/loss"] == pytest.approx(sw.evaluate(bundle)["loss"], rel=1e-7)
+
+
+# -- predict, gather_for_metrics and reduce, explain() ------------------------------------
+
+def test_predict_runs_without_gradients_in_eval_mode_at_the_training_precision():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    bundle = sw.pipeline(ONE, sw.mixed_precision("bf16"))(model, torch.optim.SGD(model.parameters()))
+    x = torch.ones(2, 4)
+    out = bundle.predict(x)
+    assert out.dtype == torch.bfloat16 and not out.requires_grad
+    assert torch.equal(out, bundle.predict(x))  # dropout off
+    assert model.training
+    fp32 = sw.pipeline(ONE)(torch.nn.Linear(4, 4), None)
+    assert fp32.predict(x).dtype == torch.float32
+
+
+def test_gather_and_reduce_in_one_process_return_the_values():
+    values = {"a": torch.arange(3), "b": (torch.ones(2),)}
+    assert sw.gather_for_metrics(values) is values
+    assert float(sw.reduce(2.5, op="max")) == 2.5
+    with pytest.raises(ValueError, match="'op' must be 'mean', 'sum', 'max' or 'min' .got 'avg'"):
+        sw.reduce(1.0, op="avg")
+
+
+def test_explain_says_where_shardwise_differs_from_accelerate():
+    text = sw.pipeline(ONE, sw.mixed_precision("bf16")).explain()
+    assert "scheduler: steps once per optimizer step" in text
+    assert "bundle.predict runs at the training precision" in text

@@ -38,17 +38,3 @@ def test_the_llama_example_trains_the_same_under_accelerate_launch_and_shardwise
     assert ours == theirs  # the same pipeline, losses and weights, bit for bit
     assert len(ours["losses"]) == 4
 
-
-def test_a_refusal_written_by_the_reader_names_the_variables_too():
-    """Not only a value refused by its type: a contradiction the reader words itself names
-    the variables that gave the keys (their names travel with the config, nothing is
-    rewritten in the message)."""
-    mesh = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
-            "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
-    with pytest.raises(ConfigError, match=r"accelerate launch's variables: "
-                       r"PARALLELISM_CONFIG_CP_SIZE=2 and PARALLELISM_CONFIG_SP_SIZE=2: both"):
-        sw.pipeline(sw.detect(environ={**TWO, **mesh, "PARALLELISM_CONFIG_CP_SIZE": "2",
-                                       "PARALLELISM_CONFIG_SP_SIZE": "2"}))
-    with pytest.raises(ConfigError, match=r"x PARALLELISM_CONFIG_TP_SIZE=4 = 4 ranks, but this "
-                       r"run has 2"):
-        sw.pipeline(sw.detect(environ={**TWO, **mesh, "PARALLELISM_CONFIG_TP_SIZE": "4"}))

@@ -1,5 +1,5 @@
 # Test helpers shipped with the package: real multi-process runs on CPU, tiny models, data.
-"""Helpers to test pipelines for real: spawn N ranks, compare runs, tiny models.
+"""Helpers to test pipelines for real: start N ranks, compare runs, tiny models.
 
 Example:
     >>> def train(n):
@@ -36,7 +36,9 @@ __all__ = [
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int,
-               port: int, queue: Any) -> None:
+               port: int, queue: Any, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's variables as they are now, as a spawned process has them
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -54,9 +56,29 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_s
         dist.destroy_process_group()  # one that fn started itself
 
 
+#: imported once by the fork server, before any rank: each rank is a fresh fork of it
+PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+             "shardwise", "shardwise.testing"]
+
+
+def _context() -> Any:
+    """Fresh processes forked from a server that imported torch and shardwise once (a start
+    costs no import), where the platform has one; else spawned."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)
+    return ctx
+
+
 def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2,
                     backend: str = "gloo", timeout: float = 120.0) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes on CPU and return each rank's result.
+
+    The processes are forked from a server that imported torch and shardwise once
+    (``multiprocessing``'s forkserver, :data:`PRELOADED`; spawned where a platform has
+    none): a start costs no import, and each rank is still a new process with the caller's
+    environment variables as they are at the call.
 
     Each process gets torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, ...,
     MASTER_ADDR=127.0.0.1 and a free MASTER_PORT), so ``sw.detect()`` inside ``fn`` sees a
@@ -72,10 +94,11 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2,
     """
     if backend != "gloo":
         raise ValueError(f"run_distributed() runs CPU ranks on 'gloo' (got backend={backend!r})")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world_size, port, queue))
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world_size, port, queue, environ))
              for r in range(world_size)]
     for proc in procs:
         proc.start()

@@ -2,6 +2,8 @@
 """Each module fixture starts one 2-rank job that runs several cases (a launch costs seconds);
 the tests compare its results with single-process runs on the same global batches."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -379,3 +381,21 @@ def test_a_non_finite_loss_on_one_rank_is_seen_by_every_rank(parts):
         assert [r[0] for r in results] == [expected, expected], policy
         if parts[0].factory_name == "replicate":
             assert all(unchanged for _, unchanged in results)
+
+
+def _what_a_rank_sees(name):
+    return os.environ.get(name), os.getpid(), None, torch.distributed.is_initialized()
+
+
+def test_each_rank_is_a_new_process_with_the_callers_variables(monkeypatch):
+    """Ranks are forked from a server that imported torch once, yet each is a new process
+    (no process group yet) that sees the caller's variables as they are at
+    the call, as a spawned one would."""
+    monkeypatch.setenv("SHARDWISE_PROBE", "first")
+    first = run_distributed(_what_a_rank_sees, "SHARDWISE_PROBE")
+    monkeypatch.setenv("SHARDWISE_PROBE", "second")
+    second = run_distributed(_what_a_rank_sees, "SHARDWISE_PROBE")
+    assert [r[0] for r in first + second] == ["first", "first", "second", "second"]
+    pids = {r[1] for r in first + second}
+    assert len(pids) == 4 and os.getpid() not in pids
+    assert not any(r[3] for r in first + second)

@@ -30,8 +30,8 @@ from shardwise.distributed import leave_group
 from shardwise.errors import RankFailedError
 
 __all__ = [
-    "run_distributed", "free_port", "full_state", "max_param_diff", "TinyMLP", "TinyTransformerLM",
-    "TinyDecoderBlock", "SyntheticTokens", "SyntheticRegression",
+    "run_distributed", "free_port", "full_state", "PeakGrowth", "max_param_diff", "TinyMLP",
+    "TinyTransformerLM", "TinyDecoderBlock", "SyntheticTokens", "SyntheticRegression",
 ]
 
 
@@ -129,6 +129,42 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2,
                 proc.kill()
                 proc.join(5)
     return [results[r] for r in range(world_size)]
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+class PeakGrowth:
+    """How much this process's resident memory rose above where it stood at the start of a
+    ``with`` block, at its peak inside it (Linux: the kernel's high-water mark, reset at the
+    start). ``bytes`` is set when the block ends.
+
+    Example:
+        >>> with PeakGrowth() as grown:
+        ...     sw.export(path, bundle)
+        >>> grown.bytes / model_bytes
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._start = 0
+
+    def __enter__(self) -> PeakGrowth:
+        import gc
+
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as refs:  # the high-water mark back to now
+            refs.write("5")
+        self._start = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bytes = _status_bytes("VmHWM") - self._start
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:

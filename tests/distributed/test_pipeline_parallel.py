@@ -443,3 +443,26 @@ def test_what_cannot_be_cut_or_divided_is_refused_naming_the_numbers():
     assert "stages: stage 0: model.layers.0-1 (+ embeddings)" in found["explain"]
     assert "stage 1: model.layers.2-3 (+ norm and head)" in found["explain"]
     assert "stage 0: model.layers.0 (+ embeddings)" in found["given"]
+
+
+def _tied_v_shaped_and_sharded():
+    model = llama(layers=4, tied=True)
+    parts = (sw.pipeline_parallel(size=2, schedule="ZBVZeroBubble"),
+             sw.shard(reshard_after_forward=False))
+    try:
+        sw.pipeline(sw.detect(), *parts)(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    except ConflictError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_tied_weight_of_two_sharded_stages_is_refused_on_every_rank():
+    """Rank 0 of a V-shaped schedule holds the first and the last stage, so the tied
+    embedding and head are one weight there; FSDP2 shards each stage apart and made two
+    (0.023 apart after 2 steps, where the pipeline alone keeps them equal). Refused on every
+    rank (the others would wait in fully_shard), naming the two names on rank 0."""
+    errors = run_distributed(_tied_v_shaped_and_sharded, world_size=4)
+    assert all(e is not None and "train apart" in e for e in errors), errors
+    assert "model.embed_tokens.weight and lm_head.weight are one weight in stages 0 and 1" \
+        in errors[0]
+    assert "another rank's pipeline stages share a weight" in errors[1]

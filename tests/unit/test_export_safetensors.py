@@ -50,3 +50,79 @@ def test_a_transformers_model_round_trips_through_from_pretrained(tmp_path):
     assert again.generation_config.max_new_tokens == 7
     prompt = ids[:1, :4]
     assert torch.equal(again.generate(prompt), model.eval().generate(prompt))
+
+
+def _llama(tie=True, layers=2):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=layers, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    return transformers, transformers.LlamaForCausalLM(config)
+
+
+def test_tied_weights_are_written_once_and_big_models_in_indexed_files(tmp_path):
+    """As save_pretrained: the tied head once (under the embedding's name), and a model
+    over max_shard_size in model-0000i-of-0000N files with an index naming each tensor's."""
+    import json
+
+    transformers, model = _llama()
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sw.export(tmp_path / "one", bundle)
+    weights = load_file(tmp_path / "one" / "model.safetensors")
+    assert "model.embed_tokens.weight" in weights and "lm_head.weight" not in weights
+    sw.export(tmp_path / "many", bundle, max_shard_size=20_000)
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "many").glob("model-*.safetensors"))
+    assert len(files) > 2 and set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in weights.values())
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "many")
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "one"]  # nothing left beside
+
+
+def test_an_export_replaces_the_last_one_whole_and_keeps_the_users_files(tmp_path):
+    _, model = _llama(tie=False)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out = tmp_path / "final"
+    sw.export(out, bundle, max_shard_size=20_000)
+    (out / "tokenizer.json").write_text("{}")
+    (out / "extra").mkdir()
+    (out / "extra" / "notes.txt").write_text("mine")
+    sw.export(out, bundle)  # now one file: the old shards and their index go
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "extra", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert (out / "extra" / "notes.txt").read_text() == "mine"
+    with pytest.raises(sw.errors.ArgumentError, match="max_shard_size"):
+        sw.export(out, bundle, max_shard_size=0)
+
+
+def test_a_crash_between_the_renames_is_finished_by_the_next_export(tmp_path):
+    """Killed after the old folder was set aside and before the new one was renamed in:
+    the name is empty, the old export is beside it; the next export puts it back first
+    (and a staging folder left by a kill is cleared)."""
+    _, model = _llama(tie=False)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out = tmp_path / "final"
+    sw.export(out, bundle)
+    (out / "tokenizer.json").write_text("{}")
+    out.rename(tmp_path / ".final.export.old")
+    (tmp_path / ".final.export.tmp").mkdir()
+    (tmp_path / ".final.export.tmp" / "model.safetensors").write_text("half")
+    sw.export(out, bundle)
+    assert (out / "tokenizer.json").exists() and (out / "model.safetensors").stat().st_size > 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_an_export_never_follows_a_symlink(tmp_path):
+    _, model = _llama(tie=False)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "final").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(sw.errors.CheckpointError, match="is a symlink"):
+        sw.export(tmp_path / "final", bundle)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(sw.errors.CheckpointError, match="is a file"):
+        sw.export(tmp_path / "file", bundle)
+    assert list((tmp_path / "elsewhere").iterdir()) == []

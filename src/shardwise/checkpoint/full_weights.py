@@ -1,10 +1,12 @@
-# export(): the full model gathered to rank 0 and written as safetensors with clean names.
+# export(): Hugging Face safetensors written from every rank's shards, published whole (DeepSpeed: gathered).
 """Export a trained model for inference or the Hugging Face ecosystem."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +15,24 @@ from safetensors.torch import save_file
 
 from shardwise._params import clean_name
 from shardwise.bundle import Bundle
+from shardwise.checkpoint.hf_files import HF_INDEX, HF_WEIGHTS, MAX_FILE_BYTES, export_state, write_hf_files
+from shardwise.checkpoint.layout import fsync_dir
+from shardwise.checkpoint.transaction import describe_os_error
 from shardwise.distributed import all_agree
 from shardwise.engines import Engine
-from shardwise.errors import CheckpointError
+from shardwise.errors import ArgumentError, CheckpointError
 
 __all__ = ["export"]
 
-WEIGHTS = "model.safetensors"
+
+def _write_gathered(bundle: Bundle, out: Path, dtype: torch.dtype | None) -> None:
+    """The gather path (DeepSpeed's engine): every tensor whole on the main rank, written
+    there as one ``model.safetensors``."""
+    tensors = _gathered(bundle.model, bundle.engine,
+                        bundle.env.is_main or bundle.stages is not None, dtype)
+    tensors = _from_stages(tensors, bundle)
+    if bundle.env.is_main:
+        save_file(_unshared(tensors), str(out / HF_WEIGHTS), metadata={"format": "pt"})
 
 
 def _gathered(model: torch.nn.Module, engine: Engine, main: bool,
@@ -81,49 +94,145 @@ def _write_config(model: torch.nn.Module, out: Path) -> None:
         generation.save_pretrained(out)
 
 
-def export(path: str | os.PathLike[str], bundle: Bundle, *,
-           dtype: torch.dtype | None = None) -> Path:
-    """Write ``bundle.model``'s full state as ``path/model.safetensors``; every rank calls it.
+def _exported_name(name: str) -> bool:
+    """Whether a file of an export folder is one an export writes (the rest is the user's:
+    a tokenizer, a README, and is kept when the export is replaced)."""
+    return name in (HF_WEIGHTS, HF_INDEX, "config.json", "generation_config.json") or \
+        re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
 
-    Sharded parameters are gathered one at a time and kept on rank 0's CPU only (pipeline
-    stages send their parts to it); names
-    carry no wrapper prefixes, so ``model.load_state_dict(..., strict=True)`` on the plain
-    model works. A model with a ``config`` (Transformers) also gets ``config.json`` (and
-    ``generation_config.json`` when it has one), so ``from_pretrained(path)`` reads the
-    directory and ``generate`` uses the same settings.
 
-    Args:
-        path: the output directory.
-        bundle: the trained bundle.
-        dtype: cast floating-point tensors to this dtype (e.g. ``torch.bfloat16``).
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
 
-    Returns:
-        The output directory.
+
+def _remove(path: Path) -> None:
+    """Remove a folder this module left (a symlink by that name is only unlinked)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _prepare(out: Path, tmp: Path, aside: Path) -> None:
+    """Put back what a crash between the two renames of a publish left, clear a stale
+    staging folder, and make ``tmp`` empty.
 
     Raises:
-        CheckpointError: the directory cannot be written.
+        CheckpointError: ``out`` is a symlink or not a folder.
+    """
+    if out.is_symlink():
+        raise CheckpointError(f"the export folder {out} is a symlink; sw.export writes a real "
+                              "folder and never follows one: pass its target")
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"the export folder {out} is a file; pass a folder")
+    if _real_dir(aside):
+        if out.exists():
+            shutil.rmtree(aside)  # the new export was published: the old one was left
+        else:
+            os.replace(aside, out)  # a crash between the renames: the old export back
+    _remove(tmp)
+    tmp.mkdir(parents=True)
+
+
+def _publish(tmp: Path, out: Path, aside: Path) -> None:
+    """Put the folder ``tmp`` under the name ``out`` whole: the user's own files of an
+    earlier ``out`` linked in first, then two renames (the old folder set aside, the new one
+    in), then the old one removed; :func:`_prepare` finishes a publish a crash cut."""
+    if out.exists():
+        for entry in out.iterdir():
+            if _exported_name(entry.name) or (tmp / entry.name).exists():
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.copytree(entry, tmp / entry.name, symlinks=True, copy_function=_link)
+            else:
+                _link(entry, tmp / entry.name)
+        fsync_dir(tmp)
+        os.replace(out, aside)
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+        shutil.rmtree(aside)
+    else:
+        os.replace(tmp, out)
+    fsync_dir(out.parent)
+
+
+def _link(source: Any, target: Any) -> None:
+    """A hard link (the file is not copied), or a copy where the file system has none."""
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), target)
+        return
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def export(path: str | os.PathLike[str], bundle: Bundle, *, dtype: torch.dtype | None = None,
+           max_shard_size: int = MAX_FILE_BYTES) -> Path:
+    """Write ``bundle.model`` as Hugging Face safetensors in the folder ``path``; every rank
+    calls it.
+
+    No rank gathers the model: each writes what it holds (its FSDP2 shards, tensor-parallel
+    parts, pipeline stages; a replicated tensor once, by one rank), then the ranks
+    consolidate the output files between them, one tensor at a time (torch's DCP
+    ``HuggingFaceStorageWriter``). The folder holds what ``save_pretrained`` writes:
+    ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` files of at most
+    ``max_shard_size`` bytes with ``model.safetensors.index.json``; a tensor under two names
+    (tied embeddings) once, under the first; names without wrapper prefixes (a plain
+    ``load_state_dict`` works); a model with a ``config`` (Transformers) also gets
+    ``config.json`` (and ``generation_config.json``), so ``from_pretrained(path)`` reads it.
+    The folder is published whole or not at all: written beside it, then renamed in; an
+    earlier export under the name is replaced, files of the user's in it (a tokenizer) are
+    kept. A model under DeepSpeed's engine is gathered to rank 0 (its partitions are
+    DeepSpeed's own).
+
+    Args:
+        path: the output folder (never a symlink).
+        bundle: the trained bundle.
+        dtype: cast floating-point tensors to this dtype (e.g. ``torch.bfloat16``).
+        max_shard_size: the largest file in bytes (Transformers' default, 5 GB); a model
+            larger is written as several files, each consolidated by one rank in turn.
+
+    Returns:
+        The output folder.
+
+    Raises:
+        CheckpointError: the folder cannot be written, or is a symlink or a file.
 
     Example:
         >>> sw.export("out/final", bundle, dtype=torch.bfloat16)
     """
+    if not isinstance(max_shard_size, int) or isinstance(max_shard_size, bool) or \
+            max_shard_size < 1:
+        raise ArgumentError(f"export() 'max_shard_size' must be a positive number of bytes "
+                            f"(got {max_shard_size!r})")
     env, out = bundle.env, Path(path)
     bundle.engine.synchronise_replicas(bundle.model, bundle.optimizer)  # local SGD: one model
-    # a pipeline stage keeps its own part, sent to the main rank below
-    tensors = _gathered(bundle.model, bundle.engine, env.is_main or bundle.stages is not None,
-                        dtype)
-    tensors = _from_stages(tensors, bundle)
+    tmp = out.parent / f".{out.name}.export.tmp"
+    aside = out.parent / f".{out.name}.export.old"
     problem = ""
     if env.is_main:
         try:
-            out.mkdir(parents=True, exist_ok=True)
-            tmp = out / f".{WEIGHTS}.tmp"
-            save_file(_unshared(tensors), str(tmp), metadata={"format": "pt"})
-            os.replace(tmp, out / WEIGHTS)  # an earlier export stays whole until then
-            _write_config(bundle.engine.unwrap(bundle.model), out)
-        except OSError as exc:
-            problem = f"{type(exc).__name__}: {exc}"
+            _prepare(out, tmp, aside)
+        except (OSError, CheckpointError) as exc:
+            problem = str(exc) if isinstance(exc, CheckpointError) else describe_os_error(exc)
+    if not all_agree(env, not problem):
+        raise CheckpointError(problem or "sw.export: rank 0 could not prepare the folder (its "
+                              "error names why)")
+    module = bundle.engine.unwrap(bundle.model)
+    try:
+        if bundle.engine.exports_in_place:
+            write_hf_files(export_state(module, dtype), tmp, max_shard_size)
+        else:
+            _write_gathered(bundle, tmp, dtype)
+        if env.is_main:
+            _write_config(module, tmp)
+            fsync_dir(tmp)
+            _publish(tmp, out, aside)
+    except OSError as exc:
+        problem = describe_os_error(exc)
     if not all_agree(env, not problem):  # every rank learns how it went
-        problem = problem or "on rank 0"
+        problem = problem or "on another rank"
     if problem:
         raise CheckpointError(f"cannot write the export to {out}: {problem}")
     return out

@@ -47,6 +47,7 @@ class DeepSpeedEngine(Engine):
     offload: tuple[str, ...] = ()
     ds: Any = None
     name: ClassVar[str] = "DeepSpeed"
+    exports_in_place: ClassVar[bool] = False  # its partitions are DeepSpeed's own
     places_parameters: ClassVar[bool] = True
     owns_optimizer: ClassVar[bool] = True
     #: DeepSpeed's bf16/fp16 converts the module itself: the forward runs without autocast,

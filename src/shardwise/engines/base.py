@@ -108,6 +108,9 @@ class Engine(StepHooks):
     #: the engine placed the model and holds the optimizer's parameters itself (DeepSpeed's
     #: flat partitions): placement leaves both alone
     owns_optimizer: ClassVar[bool] = False
+    #: the model's state dict is what each rank holds as torch tensors or DTensors, so
+    #: ``sw.export`` writes it from every rank without a gather (DeepSpeed's partitions: no)
+    exports_in_place: ClassVar[bool] = True
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the engine's wrapper."""

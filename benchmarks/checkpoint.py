@@ -17,7 +17,12 @@ sample 900,000: shardwise's sampler cursor against Accelerate's ``skip_first_bat
 to the first batch, with 0 and 2 workers.
 
     python benchmarks/checkpoint.py [--dim 768] [--layers 12] [--dir /tmp/sw-ckpt-bench]
-        [--rounds 2] [--only positioning|fixed-cost]
+        [--rounds 2] [--only positioning|fixed-cost|export]
+
+``--only export``: ``sw.export`` of the ~97M-parameter model under shard() on 2 and 4 ranks
+beside the old path (every tensor gathered to rank 0 and written there): time, and each
+rank's peak resident growth as a share of the model; then Llama-70B's bytes per rank on 64
+simulated ranks.
 
 ``--only fixed-cost``: the fixed cost of one save of a ~20 MiB model with AdamW state in one
 process, median of 7: Accelerate's ``save_state`` beside ``sw.save``, and what the save is
@@ -165,6 +170,96 @@ def bench(dim: int, layers: int, root: str, rounds: int) -> dict[str, float]:
     return out
 
 
+def export_bench(dim: int, layers: int, root: str) -> dict[str, float]:
+    """One rank of ``--only export``: the same model under shard(), exported by the old path
+    (every tensor gathered to rank 0, written there) and by ``sw.export`` (each rank its
+    shards, the files consolidated by the ranks in turn), peak resident growth and time."""
+    from shardwise.checkpoint.full_weights import _write_gathered
+    from shardwise.testing import PeakGrowth
+
+    torch.manual_seed(0)
+    model = TinyTransformerLM(vocab=8000, dim=dim, heads=12, layers=layers, max_len=64)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    bundle = sw.pipeline(sw.detect(), sw.shard())(model, torch.optim.SGD(model.parameters()))
+    ids = torch.randint(0, 8000, (1, 16))
+    bundle.step(bundle.init(), {"input_ids": ids, "labels": ids})
+    world = dist.get_world_size()
+    gathered = Path(root) / f"gather-{world}"
+    if dist.get_rank() == 0:
+        gathered.mkdir(parents=True)
+    out: dict[str, float] = {"model_bytes": model_bytes}
+    dist.barrier()
+    with PeakGrowth() as grown:
+        start = time.perf_counter()
+        _write_gathered(bundle, gathered, None)
+        dist.barrier()
+        out["gather_s"] = time.perf_counter() - start
+    out["gather_growth"] = grown.bytes
+    for name, files in (("one_file", 1), ("files", world)):
+        dist.barrier()
+        with PeakGrowth() as grown:
+            start = time.perf_counter()
+            sw.export(Path(root) / f"{name}-{world}", bundle,
+                      max_shard_size=-(-model_bytes // files))
+            out[f"{name}_s"] = time.perf_counter() - start
+        out[f"{name}_growth"] = grown.bytes
+    return out
+
+
+def print_export(dim: int, layers: int, root: str) -> None:
+    print("sw.export of a model under shard(): peak resident growth per rank (x the model's "
+          "bytes) and time")
+    for world in (2, 4):
+        shutil.rmtree(root, ignore_errors=True)
+        rows = run_distributed(export_bench, dim, layers, root, world_size=world,
+                               timeout=3600)
+        size = rows[0]["model_bytes"]
+        print(f"  {world} gloo ranks, {size / 4e6:.1f}M parameters ({size / 2**20:.0f} MiB):")
+        for key, label in (("gather", "gather to rank 0 (old)"),
+                           ("one_file", "sw.export, one file"),
+                           ("files", f"sw.export, {world} files")):
+            growth = [r[f"{key}_growth"] / size for r in rows]
+            print(f"    {label:<24} {max(r[f'{key}_s'] for r in rows):6.2f} s   growth "
+                  + " ".join(f"{g:4.2f}x" for g in growth) + f"   (max {max(growth):.2f}x)")
+    shutil.rmtree(root, ignore_errors=True)
+    print_simulated_export()
+
+
+def print_simulated_export(world: int = 64, file_bytes: int = 5 * 10**9) -> None:
+    """Llama-70B in bf16 under shard() over ``world`` simulated ranks (shapes only, on the
+    meta device): the bytes each rank writes with sw.export (its FSDP2 shards as DCP
+    pieces, then its share of the consolidated files), against the gather's rank 0."""
+    import math
+
+    from scale import llama  # the shapes benchmarks/scale.py simulates
+
+    from shardwise.checkpoint.hf_files import file_plan
+
+    with torch.device("meta"):
+        model = llama("70B")
+    sizes = [(name, t.numel() * 2) for name, t in model.state_dict().items()]
+    total = sum(size for _, size in sizes)
+    pieces = [0] * world
+    for _, tensor in model.state_dict().items():  # FSDP2 splits dim 0 into world chunks
+        rows = tensor.shape[0]
+        per = math.ceil(rows / world)
+        rest = tensor.numel() // rows * 2
+        for rank in range(world):
+            pieces[rank] += max(0, min(per, rows - rank * per)) * rest
+    plan = file_plan(sizes, max(1, math.ceil(total / file_bytes)))
+    files = [0] * world
+    for name, size in sizes:
+        files[plan[name] % world] += size
+    written = [p + f for p, f in zip(pieces, files, strict=True)]
+    gb = 1e9
+    print(f"  Llama-70B bf16 ({total / gb:.0f} GB) under shard() over {world} simulated ranks, "
+          f"{max(plan.values())} files of <= {file_bytes / gb:.0f} GB:")
+    print(f"    sw.export: each rank writes {min(written) / gb:.1f}-{max(written) / gb:.1f} GB "
+          f"(its shards {max(pieces) / gb:.1f} GB, at most one file's share "
+          f"{max(files) / gb:.1f} GB), holds one tensor at a time beside its shards")
+    print(f"    gather to rank 0: rank 0 writes and holds {total / gb:.0f} GB")
+
+
 def print_positioning() -> None:
     print("resume at sample 900,000 of 1,000,000 (batches of 1000), time to the first batch:")
     for workers in (0, 2):
@@ -259,8 +354,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--dir", default="/tmp/sw-ckpt-bench")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--only", choices=["positioning", "fixed-cost"], default=None)
+    parser.add_argument("--only", choices=["positioning", "fixed-cost", "export"], default=None)
     args = parser.parse_args()
+    if args.only == "export":
+        print_export(args.dim, args.layers, args.dir)
+        return
     if args.only == "positioning":
         print_positioning()
         return

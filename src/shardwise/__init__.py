@@ -31,7 +31,7 @@ PUBLIC: dict[str, str] = {
     **dict.fromkeys(["to_device"], "shardwise.data"),
     **dict.fromkeys(["ensure_process_group", "main_process_first"], "shardwise.distributed"),
     **dict.fromkeys(["CONFIG_ENV_VAR", "Env", "detect"], "shardwise.env"),
-    **dict.fromkeys(["export"], "shardwise.checkpoint.full_weights"),
+    **dict.fromkeys(["export", "load_pretrained"], "shardwise.checkpoint.full_weights"),
     **dict.fromkeys(["Logger", "TensorBoardLogger"], "shardwise.loggers"),
     **dict.fromkeys(["MLflowTracker", "TrackioTracker", "WandbTracker", "register_tracker"],
                     "shardwise.trackers"),

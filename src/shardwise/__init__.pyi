@@ -9,6 +9,7 @@ from shardwise.batch_size import largest_batch_size as largest_batch_size
 from shardwise.bundle import Bundle as Bundle
 from shardwise.checkpoint.background import AsyncSave as AsyncSave
 from shardwise.checkpoint.full_weights import export as export
+from shardwise.checkpoint.full_weights import load_pretrained as load_pretrained
 from shardwise.checkpoint.layout import latest_checkpoint as latest_checkpoint
 from shardwise.checkpoint.save_load import load as load
 from shardwise.checkpoint.save_load import save as save
@@ -111,6 +112,7 @@ __all__ = [
     "largest_batch_size",
     "latest_checkpoint",
     "load",
+    "load_pretrained",
     "local_sgd",
     "main_process_first",
     "mixed_precision",

@@ -311,3 +311,55 @@ def test_two_writers_saving_killing_and_pruning_at_random_leave_a_reported_check
     chosen = settings(database=None, **({"max_examples": count} if count else {}))
     chosen(given(st.data())(
         lambda data: check_two_writers(data, tmp_path / "root", bundle, reference)))()
+
+
+# -- a kill after every file operation of an export ------------------------------------------
+
+def test_a_kill_after_any_file_operation_of_an_export_leaves_the_old_or_the_new_one(tmp_path):
+    """sw.export killed after each of its file operations (staging, DCP's pieces, the
+    consolidation, the config, the two renames): the name holds the whole old export (with
+    the user's file in it) or the whole new one, never a mix or nothing; the next export
+    finishes or clears what the kill left, so nothing stays beside it."""
+    from safetensors.torch import load_file
+
+    from shardwise.testing import TinyTransformerLM
+
+    def bundle_of(seed):
+        torch.manual_seed(seed)
+        model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
+        return sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    old, new = bundle_of(0), bundle_of(1)
+    pristine, out = tmp_path / "pristine", tmp_path / "root" / "final"
+    sw.export(pristine, old)
+    (pristine / "tokenizer.json").write_text("{}")
+    expected = {"old": weights(old), "new": weights(new)}
+
+    def export():
+        sw.export(out, new)
+
+    def fresh():
+        shutil.rmtree(out.parent, ignore_errors=True)
+        out.parent.mkdir()
+        shutil.copytree(pristine, out)
+
+    fresh()
+    total = run_killed(10**9, export)
+    assert total and total > 6
+    between = 0
+    for at in range(1, total + 1):
+        fresh()
+        assert run_killed(at, export) is None
+        if not out.exists():  # killed between the renames: the old one is set aside whole
+            between += 1
+            assert equal(load_file(out.parent / ".final.export.old" / "model.safetensors"),
+                         expected["old"]), at
+        else:
+            got = load_file(out / "model.safetensors")
+            assert equal(got, expected["old"]) or equal(got, expected["new"]), at
+            assert (out / "tokenizer.json").exists(), at
+        sw.export(out, new)  # puts a set-aside export back first: the user's file survives
+        assert equal(load_file(out / "model.safetensors"), expected["new"]), at
+        assert (out / "tokenizer.json").exists(), at
+        assert [p.name for p in out.parent.iterdir()] == ["final"], at
+    assert between >= 1

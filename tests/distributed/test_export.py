@@ -106,3 +106,40 @@ def test_an_export_from_four_ranks_gathers_the_model_nowhere(tmp_path, name):
     assert set(trained) == set(loaded)
     for key, value in trained.items():
         assert torch.equal(loaded[key], value), key
+
+
+def load_measured(folder, name):
+    parts, nodes, tied = EXPORTED[name]
+    env = sw.detect()
+    if nodes > 1:
+        env = sw.detect(num_nodes=nodes, local_world_size=env.world_size // nodes,
+                        node_rank=env.rank // 2, local_rank=env.rank % 2)
+    torch.manual_seed(1)  # other weights than the files'
+    model = big_llama(tied)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    bundle = sw.pipeline(env, *parts)(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with PeakGrowth() as grown:
+        sw.load_pretrained(f"{folder}/{int(tied)}", bundle)
+    loaded = full_state(bundle.model)  # a collective: every rank gathers
+    return grown.bytes / model_bytes, loaded if env.rank in (0, 1) else {}
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTED))
+def test_pretrained_weights_load_into_shards_without_a_whole_copy(tmp_path, name):
+    """sw.load_pretrained on 4 ranks: each rank reads the slices it holds from the files
+    save_pretrained wrote (in bf16, several files), no rank's memory rising by 0.75x the
+    model; the shards equal a one-process from_pretrained (cast to the model's fp32)."""
+    from transformers import LlamaForCausalLM
+
+    tied = EXPORTED[name][2]
+    big_llama(tied).to(torch.bfloat16).save_pretrained(tmp_path / str(int(tied)),
+                                                       max_shard_size="3MB")
+    assert len(list((tmp_path / str(int(tied))).glob("model-*.safetensors"))) > 3
+    expected = LlamaForCausalLM.from_pretrained(tmp_path / str(int(tied)),
+                                                torch_dtype=torch.float32).state_dict()
+    results = run_distributed(load_measured, str(tmp_path), name, world_size=4, timeout=300)
+    assert max(ratio for ratio, _ in results) < 0.75, [ratio for ratio, _ in results]
+    loaded = {**results[1][1], **results[0][1]}
+    assert set(loaded) == set(expected)
+    for key, value in loaded.items():
+        assert torch.equal(value, expected[key]), key

@@ -126,3 +126,20 @@ def test_an_export_never_follows_a_symlink(tmp_path):
     with pytest.raises(sw.errors.CheckpointError, match="is a file"):
         sw.export(tmp_path / "file", bundle)
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_pretrained_files_load_into_a_bundle_and_refuse_what_does_not_fit(tmp_path):
+    transformers, model = _llama(tie=True)
+    model.save_pretrained(tmp_path / "files")
+    torch.manual_seed(5)
+    other = transformers.LlamaForCausalLM(model.config)
+    bundle = sw.pipeline(sw.Env())(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    assert sw.load_pretrained(tmp_path / "files", bundle) is bundle
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert other.lm_head.weight is other.model.embed_tokens.weight  # still one weight
+    _, wider = _llama(tie=True, layers=3)
+    bundle = sw.pipeline(sw.Env())(wider, torch.optim.SGD(wider.parameters(), lr=0.1))
+    with pytest.raises(sw.errors.CheckpointError, match=r"missing model\.layers\.2\."):
+        sw.load_pretrained(tmp_path / "files", bundle)
+    with pytest.raises(sw.errors.CheckpointError, match="is not a folder"):
+        sw.load_pretrained(tmp_path / "nowhere", bundle)

@@ -15,14 +15,21 @@ from safetensors.torch import save_file
 
 from shardwise._params import clean_name
 from shardwise.bundle import Bundle
-from shardwise.checkpoint.hf_files import HF_INDEX, HF_WEIGHTS, MAX_FILE_BYTES, export_state, write_hf_files
+from shardwise.checkpoint.hf_files import (
+    HF_INDEX,
+    HF_WEIGHTS,
+    MAX_FILE_BYTES,
+    export_state,
+    read_hf_files,
+    write_hf_files,
+)
 from shardwise.checkpoint.layout import fsync_dir
 from shardwise.checkpoint.transaction import describe_os_error
 from shardwise.distributed import all_agree
 from shardwise.engines import Engine
 from shardwise.errors import ArgumentError, CheckpointError
 
-__all__ = ["export"]
+__all__ = ["export", "load_pretrained"]
 
 
 def _write_gathered(bundle: Bundle, out: Path, dtype: torch.dtype | None) -> None:
@@ -236,3 +243,35 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *, dtype: torch.dtype |
     if problem:
         raise CheckpointError(f"cannot write the export to {out}: {problem}")
     return out
+
+
+def load_pretrained(path: str | os.PathLike[str], bundle: Bundle) -> Bundle:
+    """Read Hugging Face safetensors (what ``save_pretrained`` or :func:`export` wrote: one
+    ``model.safetensors`` or indexed files) into the bundle's model, each rank reading only
+    the slices it holds: its FSDP2 shards, its tensor-parallel parts, its pipeline stages'
+    tensors. No rank reads the whole model; every rank calls it. Values are cast to the
+    model's dtypes; a tied weight is read once, under the name the files give it.
+
+    Args:
+        path: the folder of the files.
+        bundle: the bundle to load into (after the pipeline has sharded the model).
+
+    Returns:
+        ``bundle`` (its model loaded in place).
+
+    Raises:
+        CheckpointError: no such folder, or files that do not fit the model (a tensor
+            missing or of another shape, named).
+
+    Example:
+        >>> bundle = sw.pipeline(sw.shard())(LlamaForCausalLM(config), optimizer)
+        >>> sw.load_pretrained("meta-llama/local-copy", bundle)
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"sw.load_pretrained: {folder} is not a folder of safetensors "
+                              "files")
+    module = bundle.engine.unwrap(bundle.model)
+    with torch.no_grad():
+        read_hf_files(export_state(module, None), folder)
+    return bundle

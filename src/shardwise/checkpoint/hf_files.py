@@ -24,7 +24,8 @@ import torch
 
 from shardwise._params import clean_name
 
-__all__ = ["HF_WEIGHTS", "HF_INDEX", "SHARDED", "export_state", "file_plan", "write_hf_files"]
+__all__ = ["HF_WEIGHTS", "HF_INDEX", "SHARDED", "export_state", "file_plan", "write_hf_files",
+           "read_hf_files"]
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -128,3 +129,30 @@ def write_hf_files(state: dict[str, Any], out: Path, max_file_bytes: int) -> dic
             os.replace(only, out / HF_WEIGHTS)
             (out / HF_INDEX).unlink(missing_ok=True)
     return plan
+
+
+def read_hf_files(state: dict[str, Any], path: Path) -> None:
+    """Copy Hugging Face safetensors at ``path`` into ``state``'s tensors in place (this
+    rank's part: a DTensor's local shard, a stage's tensors), each rank reading only the
+    slices it holds (DCP's ``HuggingFaceStorageReader``); every rank calls it.
+
+    Raises:
+        CheckpointError: a tensor missing from the files or of another shape, named.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    from shardwise.errors import CheckpointError
+
+    reader = HuggingFaceStorageReader(str(path))
+    stored = reader.read_metadata().state_dict_metadata
+    missing = sorted(name for name in state if name not in stored)
+    shapes = sorted(f"{name} {tuple(state[name].shape)} (the files: "
+                    f"{tuple(getattr(stored[name], 'size', ()))})" for name in state
+                    if name in stored and tuple(getattr(stored[name], "size", ())) !=
+                    tuple(state[name].shape))
+    if missing or shapes:
+        shown = "; ".join([*(f"missing {n}" for n in missing[:5]), *shapes[:5]])
+        raise CheckpointError(f"the safetensors files in {path} do not fit the model: {shown}"
+                              f"{' ...' if len(missing) + len(shapes) > 5 else ''}")
+    dcp.load(state, storage_reader=reader)

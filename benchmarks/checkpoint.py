@@ -170,10 +170,11 @@ def bench(dim: int, layers: int, root: str, rounds: int) -> dict[str, float]:
     return out
 
 
-def export_bench(dim: int, layers: int, root: str) -> dict[str, float]:
-    """One rank of ``--only export``: the same model under shard(), exported by the old path
-    (every tensor gathered to rank 0, written there) and by ``sw.export`` (each rank its
-    shards, the files consolidated by the ranks in turn), peak resident growth and time."""
+def export_bench(dim: int, layers: int, root: str, method: str) -> dict[str, float]:
+    """One rank of ``--only export``, in fresh processes for each method: the model under
+    shard() after one step, exported by ``method`` ("gather": every tensor gathered to rank
+    0 and written there, the old path; "one_file" / "files": ``sw.export`` into one file or
+    one per rank); the peak resident growth during it and its time."""
     from shardwise.checkpoint.full_weights import _write_gathered
     from shardwise.testing import PeakGrowth
 
@@ -184,43 +185,38 @@ def export_bench(dim: int, layers: int, root: str) -> dict[str, float]:
     ids = torch.randint(0, 8000, (1, 16))
     bundle.step(bundle.init(), {"input_ids": ids, "labels": ids})
     world = dist.get_world_size()
-    gathered = Path(root) / f"gather-{world}"
-    if dist.get_rank() == 0:
-        gathered.mkdir(parents=True)
-    out: dict[str, float] = {"model_bytes": model_bytes}
+    out = Path(root) / f"{method}-{world}"
+    if method == "gather" and dist.get_rank() == 0:
+        out.mkdir(parents=True)
     dist.barrier()
     with PeakGrowth() as grown:
         start = time.perf_counter()
-        _write_gathered(bundle, gathered, None)
-        dist.barrier()
-        out["gather_s"] = time.perf_counter() - start
-    out["gather_growth"] = grown.bytes
-    for name, files in (("one_file", 1), ("files", world)):
-        dist.barrier()
-        with PeakGrowth() as grown:
-            start = time.perf_counter()
-            sw.export(Path(root) / f"{name}-{world}", bundle,
-                      max_shard_size=-(-model_bytes // files))
-            out[f"{name}_s"] = time.perf_counter() - start
-        out[f"{name}_growth"] = grown.bytes
-    return out
+        if method == "gather":
+            _write_gathered(bundle, out, None)
+            dist.barrier()
+        else:
+            files = 1 if method == "one_file" else world
+            sw.export(out, bundle, max_shard_size=-(-model_bytes // files))
+        seconds = time.perf_counter() - start
+    return {"model_bytes": model_bytes, "s": seconds, "growth": grown.bytes}
 
 
 def print_export(dim: int, layers: int, root: str) -> None:
     print("sw.export of a model under shard(): peak resident growth per rank (x the model's "
-          "bytes) and time")
+          "bytes; each method in fresh processes) and time")
     for world in (2, 4):
         shutil.rmtree(root, ignore_errors=True)
-        rows = run_distributed(export_bench, dim, layers, root, world_size=world,
-                               timeout=3600)
-        size = rows[0]["model_bytes"]
-        print(f"  {world} gloo ranks, {size / 4e6:.1f}M parameters ({size / 2**20:.0f} MiB):")
-        for key, label in (("gather", "gather to rank 0 (old)"),
-                           ("one_file", "sw.export, one file"),
-                           ("files", f"sw.export, {world} files")):
-            growth = [r[f"{key}_growth"] / size for r in rows]
-            print(f"    {label:<24} {max(r[f'{key}_s'] for r in rows):6.2f} s   growth "
-                  + " ".join(f"{g:4.2f}x" for g in growth) + f"   (max {max(growth):.2f}x)")
+        print(f"  {world} gloo ranks:")
+        for method, label in (("gather", "gather to rank 0 (old)"),
+                              ("one_file", "sw.export, one file"),
+                              ("files", f"sw.export, {world} files")):
+            rows = run_distributed(export_bench, dim, layers, root, method, world_size=world,
+                                   timeout=3600)
+            size = rows[0]["model_bytes"]
+            growth = [r["growth"] / size for r in rows]
+            print(f"    {label:<24} {max(r['s'] for r in rows):6.2f} s   growth "
+                  + " ".join(f"{g:4.2f}x" for g in growth) + f"   (max {max(growth):.2f}x; "
+                  f"{size / 4e6:.1f}M parameters, {size / 2**20:.0f} MiB)")
     shutil.rmtree(root, ignore_errors=True)
     print_simulated_export()
 

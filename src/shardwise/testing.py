@@ -142,7 +142,8 @@ def _status_bytes(key: str) -> int:
 class PeakGrowth:
     """How much this process's resident memory rose above where it stood at the start of a
     ``with`` block, at its peak inside it (Linux: the kernel's high-water mark, reset at the
-    start). ``bytes`` is set when the block ends.
+    start, after glibc gave freed memory back so that reusing it cannot hide a rise).
+    ``bytes`` is set when the block ends.
 
     Example:
         >>> with PeakGrowth() as grown:
@@ -158,6 +159,12 @@ class PeakGrowth:
         import gc
 
         gc.collect()
+        try:  # freed memory back to the system first: reused, it would hide the growth
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
         with open("/proc/self/clear_refs", "w") as refs:  # the high-water mark back to now
             refs.write("5")
         self._start = _status_bytes("VmRSS")

@@ -7,8 +7,9 @@ Each rank hands DCP its own part of the state dict (FSDP2 shards, tensor-paralle
 its pipeline stages' tensors; a replicated tensor is written by one rank, DCP's dedup) and
 ``HuggingFaceStorageWriter`` writes it as sharded safetensors files; then every rank
 consolidates its share of the output files (``consolidate_safetensors_files_on_every_rank``:
-one whole tensor in memory at a time). The output files are cut so their bytes balance
-over the ranks, so no rank holds more than its shard, one file's pieces and one tensor.
+one whole tensor in memory at a time). The pieces are cut finer than the output files
+(DCP holds a piece file's bytes while writing it), so no rank holds more than its shard,
+a couple of its pieces and one tensor.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ HF_INDEX = "model.safetensors.index.json"
 SHARDED = "sharded"
 #: the largest output file (as Transformers' default ``max_shard_size``, 5 GB)
 MAX_FILE_BYTES = 5 * 10**9
+#: files the pieces of the model are cut into before consolidation, per rank
+PIECES_PER_RANK = 8
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -110,12 +113,16 @@ def write_hf_files(state: dict[str, Any], out: Path, max_file_bytes: int) -> dic
     sizes = global_sizes(state, None)
     total = sum(size for _, size in sizes)
     plan = file_plan(sizes, max(1, math.ceil(total / max_file_bytes)))
+    # the pieces in finer files than the output: DCP holds a piece file's bytes whole
+    # while it writes it, so a rank's peak is two of its pieces, not two of its shards
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    pieces_plan = file_plan(sizes, max(PIECES_PER_RANK * world, max(plan.values(), default=1)))
     pieces = out / SHARDED
     if not dist.is_initialized() or dist.get_rank() == 0:
         pieces.mkdir()
     if dist.is_initialized():
         dist.barrier()
-    writer = HuggingFaceStorageWriter(str(pieces), fqn_to_index_mapping=plan,
+    writer = HuggingFaceStorageWriter(str(pieces), fqn_to_index_mapping=pieces_plan,
                                       save_distributed=True)
     dcp.save(state, storage_writer=writer)
     if dist.is_initialized():  # each rank its share of the output files

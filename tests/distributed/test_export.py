@@ -146,3 +146,53 @@ def test_pretrained_weights_load_into_shards_without_a_whole_copy(tmp_path, name
     assert set(loaded) == set(expected)
     for key, value in loaded.items():
         assert torch.equal(value, expected[key]), key
+
+
+#: the Trainer's arguments for a sharded model and a split one
+TRAINER_LAYOUTS = {
+    "fsdp2": {"fsdp": "full_shard auto_wrap", "fsdp_config": {
+        "fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
+    "tp2_x_fsdp2": {"parallelism_config": {"tp_size": 2, "dp_shard_size": 2}, "fsdp": "full_shard",
+                    "fsdp_config": {"fsdp_version": 2}},
+}
+
+
+def trainer_saved(root, name):
+    """A Trainer on shardwise trains one step on 4 ranks, then save_model: its growth."""
+    from transformers import TrainingArguments
+
+    model = big_llama(tied=False)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    ids = torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(output_dir=f"{root}/run", use_cpu=True, report_to=[], max_steps=1,
+                             per_device_train_batch_size=2, save_strategy="no",
+                             ddp_backend="gloo", learning_rate=0.1, **TRAINER_LAYOUTS[name])
+    trainer = sw.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    # once first: what the Trainer's save imports (Accelerate's unwrapping imports DeepSpeed,
+    # ~130 MB of code on rank 0) is not the model's
+    trainer.save_model(f"{root}/first")
+    with PeakGrowth() as grown:
+        trainer.save_model(f"{root}/saved")
+    trained = full_state(trainer.model)  # a collective: every rank gathers
+    return grown.bytes / model_bytes, trained if sw.detect().rank == 0 else {}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINER_LAYOUTS))
+def test_the_trainer_saves_a_sharded_model_without_a_gather(tmp_path, name):
+    """save_model of a Trainer on shardwise under FSDP2, and tp2 x FSDP2: the Trainer's own
+    files (model.safetensors, config.json, training_args.bin) with the trained weights, no
+    rank's memory rising by 0.75x the model (the gather it replaced held the model whole)."""
+    from transformers import LlamaForCausalLM
+
+    results = run_distributed(trainer_saved, str(tmp_path), name, world_size=4, timeout=300)
+    growth = [ratio for ratio, _ in results]
+    print(f"{name}: peak growth per rank {[round(g, 2) for g in growth]} x the model")
+    assert max(growth) < 0.75, growth
+    saved = tmp_path / "saved"
+    assert {"model.safetensors", "config.json", "training_args.bin"} <= \
+        {p.name for p in saved.iterdir()}
+    loaded = LlamaForCausalLM.from_pretrained(saved).state_dict()
+    for key, value in results[0][1].items():
+        assert torch.equal(loaded[key], value), key

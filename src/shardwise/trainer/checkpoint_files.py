@@ -1,13 +1,15 @@
-# The Trainer's checkpoints of a sharded model: whole tensors gathered to save, set into shards to load.
-"""Where the Trainer on shardwise saves and loads a model sharded by ``shard()`` (FSDP2).
+# The Trainer's checkpoints of a sharded model: weights written and read by every rank from its shards.
+"""Where the Trainer on shardwise saves and loads a model sharded by ``shard()`` (FSDP2) or
+split by ``tensor_parallel``.
 
 The Trainer's own checkpoint code writes ``model.state_dict()`` and
 ``optimizer.state_dict()`` on the main process: for a sharded model, one rank's shards. The
-four methods here replace those steps when the model's parameters are DTensors: every rank
-takes part in gathering whole tensors (torch's ``get_model_state_dict`` /
-``get_optimizer_state_dict`` with ``full_state_dict``), the main process writes them in the
-Trainer's own files and layout (``model.safetensors``, ``optimizer.pt``), and loading sets
-them back into the shards (``set_model_state_dict`` / ``set_optimizer_state_dict``). A
+four methods here replace those steps when the model's parameters are DTensors. The weights
+go in the Trainer's own file names (``model.safetensors``, or ``model-0000i-of-0000N``
+files with ``model.safetensors.index.json`` past 5 GB, as ``save_pretrained`` writes them)
+with no gather: every rank writes its shards and the ranks consolidate the files between
+them; ``load_best_model_at_end`` reads each rank's slices back. The optimizer state is still
+gathered whole into ``optimizer.pt`` (the Trainer's layout) and set back into the shards. A
 checkpoint is therefore the same files the Trainer on Accelerate writes for DDP, and loads
 into any world size.
 """
@@ -15,18 +17,24 @@ into any world size.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
 from shardwise._params import is_dtensor
+from shardwise.checkpoint.hf_files import (
+    HF_INDEX,
+    MAX_FILE_BYTES,
+    export_state,
+    read_hf_files,
+    write_hf_files,
+)
 from shardwise.errors import CheckpointError
 
 __all__ = ["load_best_model", "load_optimizer_and_scheduler", "save_model_files",
@@ -44,11 +52,25 @@ def sharded(trainer: Any) -> bool:
 
 def save_model_files(trainer: Any, base: Any, output_dir: str | None,
                      state_dict: dict[str, Any] | None) -> None:
-    """The Trainer's ``_save`` with the whole state dict gathered first (every rank)."""
-    if state_dict is None:
-        state_dict = get_model_state_dict(trainer.model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
-    base(trainer, output_dir, state_dict=state_dict)
+    """The Trainer's ``_save`` for a sharded model, on every rank: its config, processing
+    class and arguments as it writes them (from an empty state dict, as its own DeepSpeed
+    path does), the weights in its file names with no gather: every rank writes its shards
+    and the ranks consolidate the files (:func:`shardwise.checkpoint.hf_files.write_hf_files`)."""
+    import torch.distributed as dist
+
+    if state_dict is not None:  # the caller gathered one itself
+        base(trainer, output_dir, state_dict=state_dict)
+        return
+    folder = Path(output_dir if output_dir is not None else trainer.args.output_dir)
+    base(trainer, str(folder), state_dict={})
+    if trainer.args.should_save:  # the empty weights, and the files of an earlier save
+        for stale in [*folder.glob("model*.safetensors"), folder / HF_INDEX,
+                      folder / "pytorch_model.bin"]:
+            stale.unlink(missing_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    module = trainer.accelerator.unwrap_model(trainer.model)
+    write_hf_files(export_state(module, None), folder, MAX_FILE_BYTES)
 
 
 def save_optimizer_and_scheduler(trainer: Any, output_dir: str) -> None:
@@ -77,23 +99,17 @@ def load_optimizer_and_scheduler(trainer: Any, checkpoint: str | None) -> None:
 
 
 def load_best_model(trainer: Any) -> None:
-    """The best checkpoint's ``model.safetensors`` set into the shards (every rank reads it).
+    """The best checkpoint's weights read into the shards, each rank only the slices it holds
+    (one ``model.safetensors`` or indexed files).
 
     Raises:
-        CheckpointError: the file is missing, or lacks weights the model has (other than
-            weights tied to another).
+        CheckpointError: no weights there, or weights that do not fit the model (named).
     """
-    from safetensors.torch import load_file
-
-    path = os.path.join(trainer.state.best_model_checkpoint, WEIGHTS)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"load_best_model_at_end: {path} is missing (the Trainer on "
-                              "shardwise saves a sharded model as model.safetensors)")
-    state: dict[str, Any] = load_file(path)
-    model = trainer.model
-    tied = {name for name in getattr(model, "all_tied_weights_keys", {}) or {}}
-    missing = set(model.state_dict()) - set(state) - tied  # names only: no collective
-    if missing:
-        raise CheckpointError(f"load_best_model_at_end: {path} lacks {sorted(missing)[:5]}")
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
-                                                                strict=False))
+    folder = Path(trainer.state.best_model_checkpoint)
+    if not (folder / WEIGHTS).is_file() and not (folder / HF_INDEX).is_file():
+        raise CheckpointError(f"load_best_model_at_end: {folder} holds no {WEIGHTS} (nor "
+                              f"{HF_INDEX}): the Trainer on shardwise saves a sharded model "
+                              "in those")
+    module = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad():
+        read_hf_files(export_state(module, None), folder)

@@ -1,6 +1,7 @@
 # export(): full, clean safetensors from sharded and replicated runs; Transformers round trip.
 # Its tests that start no process are in tests/unit/test_export_safetensors.py.
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +197,44 @@ def test_the_trainer_saves_a_sharded_model_without_a_gather(tmp_path, name):
     loaded = LlamaForCausalLM.from_pretrained(saved).state_dict()
     for key, value in results[0][1].items():
         assert torch.equal(loaded[key], value), key
+
+
+def saved_sharded(root):
+    """Trains big_llama under shard() on 2 ranks and sw.saves it: the trained weights."""
+    model = big_llama(tied=False)
+    bundle = sw.pipeline(sw.detect(), sw.shard())(model, torch.optim.AdamW(model.parameters()))
+    ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+    state, _ = bundle.step(bundle.init(), {"input_ids": ids, "labels": ids})
+    path = sw.save(root, bundle, state)
+    trained = full_state(bundle.model)
+    return str(path), trained if sw.detect().rank == 0 else {}
+
+
+def test_a_sharded_checkpoint_converts_to_hugging_face_files_offline(tmp_path):
+    """`shardwise to-hf` in one process turns a checkpoint saved sharded over 2 ranks
+    (weights and AdamW state) into files from_pretrained loads equal to the trained
+    weights, holding one output file at a time (memory rises by well under the model);
+    a damaged checkpoint is refused before anything is written."""
+    from transformers import LlamaForCausalLM
+
+    from shardwise.cli import main
+
+    (path, trained), _ = run_distributed(saved_sharded, str(tmp_path / "ckpt"), timeout=300)
+    big_llama(tied=False).config.save_pretrained(tmp_path / "config")
+    model_bytes = sum(v.numel() * 4 for v in trained.values())
+    assert main(["to-hf", path, str(tmp_path / "first")]) == 0  # what it imports, first
+    with PeakGrowth() as grown:
+        code = main(["to-hf", path, str(tmp_path / "hf"), "--config", str(tmp_path / "config"),
+                     "--max_shard_size", str(model_bytes // 8)])
+    print(f"to-hf: peak growth {grown.bytes / model_bytes:.2f} x the model")
+    assert code == 0 and grown.bytes < 0.5 * model_bytes, grown.bytes / model_bytes
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 8
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert set(loaded) == set(trained)
+    assert all(torch.equal(loaded[k], v) for k, v in trained.items())
+    storage = next(p for p in sorted(Path(path).iterdir()) if p.suffix == ".distcp")
+    data = bytearray(storage.read_bytes())
+    data[len(data) // 2] ^= 1
+    storage.write_bytes(bytes(data))
+    assert main(["to-hf", path, str(tmp_path / "again")]) == 2
+    assert not (tmp_path / "again").exists()

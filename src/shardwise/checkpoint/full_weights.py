@@ -120,7 +120,7 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _prepare(out: Path, tmp: Path, aside: Path) -> None:
+def prepare_folder(out: Path, tmp: Path, aside: Path) -> None:
     """Put back what a crash between the two renames of a publish left, clear a stale
     staging folder, and make ``tmp`` empty.
 
@@ -141,10 +141,10 @@ def _prepare(out: Path, tmp: Path, aside: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def _publish(tmp: Path, out: Path, aside: Path) -> None:
+def publish_folder(tmp: Path, out: Path, aside: Path) -> None:
     """Put the folder ``tmp`` under the name ``out`` whole: the user's own files of an
     earlier ``out`` linked in first, then two renames (the old folder set aside, the new one
-    in), then the old one removed; :func:`_prepare` finishes a publish a crash cut."""
+    in), then the old one removed; :func:`prepare_folder` finishes a publish a crash cut."""
     if out.exists():
         for entry in out.iterdir():
             if _exported_name(entry.name) or (tmp / entry.name).exists():
@@ -220,7 +220,7 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *, dtype: torch.dtype |
     problem = ""
     if env.is_main:
         try:
-            _prepare(out, tmp, aside)
+            prepare_folder(out, tmp, aside)
         except (OSError, CheckpointError) as exc:
             problem = str(exc) if isinstance(exc, CheckpointError) else describe_os_error(exc)
     if not all_agree(env, not problem):
@@ -235,7 +235,7 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *, dtype: torch.dtype |
         if env.is_main:
             _write_config(module, tmp)
             fsync_dir(tmp)
-            _publish(tmp, out, aside)
+            publish_folder(tmp, out, aside)
     except OSError as exc:
         problem = describe_os_error(exc)
     if not all_agree(env, not problem):  # every rank learns how it went

@@ -1,0 +1,98 @@
+# A sharded sw.save checkpoint as Hugging Face safetensors, offline, one output file in memory at a time.
+"""Convert a checkpoint ``sw.save`` wrote (DCP, sharded over any number of ranks) into the
+files ``save_pretrained`` writes, in one process on any machine, never holding the whole
+model: the checkpoint is verified (its sealed checksums), then each output file's tensors
+are read whole from the shards (DCP reads only those) and written, one file at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from shardwise._params import clean_name
+from shardwise.checkpoint.hf_files import HF_INDEX, HF_WEIGHTS, MAX_FILE_BYTES, file_plan
+from shardwise.errors import CheckpointError
+
+__all__ = ["checkpoint_to_hf"]
+
+PREFIX = "model."
+
+
+def checkpoint_to_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                     config: str | os.PathLike[str] | None = None,
+                     dtype: torch.dtype | None = None,
+                     max_shard_size: int = MAX_FILE_BYTES) -> Path:
+    """Write the model of the ``sw.save`` checkpoint folder ``checkpoint`` into the folder
+    ``out`` as Hugging Face safetensors; ``config``: a Transformers model folder (or its
+    ``config.json``) whose ``config.json`` and ``generation_config.json`` are copied beside,
+    so ``from_pretrained(out)`` reads it. The folder is published whole (as ``sw.export``).
+
+    Raises:
+        CheckpointError: the checkpoint is damaged, partial or not a checkpoint; ``out`` is
+            a symlink or a file.
+    """
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from shardwise.checkpoint.full_weights import prepare_folder, publish_folder
+    from shardwise.checkpoint.integrity import verify
+    from shardwise.checkpoint.restore import dcp_quietly
+    from shardwise.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
+    from shardwise.env import Env
+
+    source, target = Path(checkpoint), Path(out)
+    if not (source / ".metadata").is_file():
+        raise CheckpointError(f"{source} is not a checkpoint folder sw.save wrote (no "
+                              "DCP .metadata in it); pass a step_N folder")
+    verify(source, Env())  # the sealed checksums, before anything is read
+    stored = SafeReader(source).read_metadata().state_dict_metadata
+    tensors = {key: meta for key, meta in stored.items()
+               if key.startswith(PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    if not tensors:
+        raise CheckpointError(f"the checkpoint {source} holds no model tensors")
+
+    def size(meta: TensorStorageMetadata) -> int:
+        element = torch.empty((), dtype=dtype or meta.properties.dtype).element_size()
+        return math.prod(meta.size) * element
+
+    sizes = [(key, size(meta)) for key, meta in tensors.items()]
+    plan = file_plan(sizes, max(1, math.ceil(sum(s for _, s in sizes) / max_shard_size)))
+    count = max(plan.values())
+    tmp = target.parent / f".{target.name}.export.tmp"
+    aside = target.parent / f".{target.name}.export.old"
+    prepare_folder(target, tmp, aside)
+    weight_map: dict[str, str] = {}
+    for index in range(1, count + 1):
+        keys = [key for key, file in plan.items() if file == index]
+        part = {key[len(PREFIX):]: torch.empty(tuple(tensors[key].size),
+                                               dtype=tensors[key].properties.dtype)
+                for key in keys}
+        with dcp_quietly():
+            dcp.load({"model": part}, storage_reader=SafeReader(source),
+                     planner=SafeLoadPlanner(), no_dist=True)
+        name = HF_WEIGHTS if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
+        written = {clean_name(k): (v.to(dtype) if dtype is not None and v.is_floating_point()
+                                   else v) for k, v in part.items()}
+        save_file(written, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(written, name))
+        del part, written
+    if count > 1:
+        index_text = json.dumps({"metadata": {"total_size": sum(s for _, s in sizes)},
+                                 "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+        (tmp / HF_INDEX).write_text(index_text)
+    if config is not None:
+        folder = Path(config)
+        folder = folder.parent if folder.name == "config.json" else folder
+        if not (folder / "config.json").is_file():
+            raise CheckpointError(f"--config {config}: no config.json there")
+        for name in ("config.json", "generation_config.json"):
+            if (folder / name).is_file():
+                (tmp / name).write_bytes((folder / name).read_bytes())
+    publish_folder(tmp, target, aside)
+    return target

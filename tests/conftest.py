@@ -210,7 +210,7 @@ def lm_bundle(optimizer="adamw", scheduler="step", groups=1, seed=0, size=48, sa
                                                                   scheduler=sched)
 
 
-# -- a tiny LM and its token batches (the host-sync tests, CPU and GPU) ----------------------
+# -- a tiny LM, its token batches, its host reads counted (the host-sync tests, CPU and GPU) --
 
 def token_batches(n, seed=0):
     """``n`` batches of 4 token sequences (vocabulary 64)."""
@@ -223,6 +223,73 @@ def lm_and_adamw():
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=64, dim=16, heads=2, layers=2)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+#: every way a tensor's value reaches Python: on an accelerator each waits for the device
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@contextlib.contextmanager
+def counting_reads():
+    """Record (how, tensor) for every host read of a tensor's value inside."""
+    seen: list[tuple[str, torch.Tensor]] = []
+    saved = {name: torch.Tensor.__dict__.get(name) for name in READS}
+
+    def recording(name, read):
+        def reader(self, *args, **kwargs):
+            seen.append((name, self))
+            return read(self, *args, **kwargs)
+        return reader
+
+    for name in READS:
+        setattr(torch.Tensor, name, recording(name, getattr(torch.Tensor, name)))
+    try:
+        yield seen
+    finally:
+        for name, own in saved.items():
+            if own is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, own)
+
+
+def reads_per_call(bundle, batches, **step_kwargs):
+    """For each step() call: (optimizer stepped, reads of the previous step's pending flag,
+    other reads)."""
+    state, calls = bundle.init(), []
+    for batch in batches:
+        pending = state.pending_check
+        with counting_reads() as seen:
+            state, out = bundle.step(state, batch, **step_kwargs)
+        late = sum(1 for _, t in seen if pending is not None and t is pending.flag)
+        calls.append((out.stepped, late, len(seen) - late))
+    return calls, bundle.check(state)
+
+
+def nan_loss(model, batch):
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"])["loss"]
+    return loss * batch["scale"]
+
+
+# -- an Accelerate FSDP config file (the from_config tests, one process and ranks) ----------
+
+SEED = {
+    "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "fsdp_config": {
+        "fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_cpu_offload": False,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_activation_checkpointing": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
+    "mixed_precision": "bf16", "num_machines": 1, "num_processes": 4}
+
+
+# -- the sw.compile tests' eager runs (tests/_compiling.py) ----------------------------------
+
+@pytest.fixture(scope="module")
+def eager():
+    """:func:`_compiling.train` without ``sw.compile``, at batch sizes 2 and 4 (once a module)."""
+    from _compiling import train
+
+    return {size: train([], batch_size=size) for size in (2, 4)}
 
 
 # -- the lifecycle matrix: each layout shardwise offers, one line -----------------------------

@@ -10,6 +10,7 @@ import shardwise as sw
 from shardwise.errors import RankFailedError
 from shardwise.testing import TinyMLP, full_state, run_distributed
 
+from _checkpointing import _optimizer_tensors
 from conftest import build_lm as build
 from conftest import train_for
 
@@ -167,16 +168,6 @@ def round_trip_in_place(root):
             "optimizer": before[1].keys() == after[1].keys()
             and all(torch.equal(after[1][k], v) for k, v in before[1].items()),
             "rng": torch.equal(before[2], after[2]), "scheduler": before[3] == after[3]}
-    return out
-
-
-def _optimizer_tensors(optimizer):
-    local = getattr(optimizer, "optim", optimizer)  # ZeRO-1: this rank's share
-    out = {}
-    for i, values in enumerate(local.state.values()):
-        for key, value in values.items():
-            value = value.full_tensor() if hasattr(value, "full_tensor") else value
-            out[f"{i}.{key}"] = value.detach().clone()
     return out
 
 

@@ -4,35 +4,12 @@ import subprocess
 import sys
 import textwrap
 
-import torch
-from torch.utils.data import DataLoader, Dataset
-
 import shardwise as sw
-from shardwise.testing import TinyMLP, run_distributed
+from shardwise.testing import run_distributed
+
+from _checkpointing import ids_bundle
 
 # -- the data position: a global cursor, any world size ------------------------------------
-
-class Ids(Dataset):
-    """Sample i is (i repeated 8 times, 0): its id can be read back from any batch."""
-
-    def __init__(self, size):
-        self.size = size
-        self.fetched = 0
-
-    def __len__(self):
-        return self.size
-
-    def __getitem__(self, i):
-        self.fetched += 1
-        return torch.full((8,), float(i)), torch.zeros(1)
-
-
-def ids_bundle(batch_size, size=64, drop_last=False):
-    torch.manual_seed(0)
-    model = TinyMLP()
-    loader = DataLoader(Ids(size), batch_size=batch_size, shuffle=True, drop_last=drop_last)
-    return sw.pipeline(sw.detect())(model, torch.optim.SGD(model.parameters(), lr=0.01), loader)
-
 
 def read_then_save(root, batch_size, batches):
     bundle = ids_bundle(batch_size)

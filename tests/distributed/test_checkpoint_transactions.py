@@ -19,6 +19,7 @@ import shardwise as sw
 from shardwise.checkpoint import lock
 from shardwise.errors import CheckpointError
 
+from _checkpointing import equal, saved_two
 from conftest import build_lm, train_for
 
 # -- one writer per root ------------------------------------------------------------------
@@ -124,17 +125,6 @@ def test_a_load_holds_the_root_against_another_jobs_save_and_waits_for_one(tmp_p
     assert lock.share(tmp_path / "nowhere") is None  # a root no save wrote: nothing to hold
 
 
-# -- the manifest, forged metadata, symlinks -----------------------------------------------
-
-def saved_two(root):
-    bundle = build_lm([], accumulate=1)
-    state, _ = train_for(bundle, bundle.init(), 1)
-    first = sw.save(root, bundle, state)
-    state, _ = train_for(bundle, state, 1)
-    second = sw.save(root, bundle, state)
-    return bundle, state, first, second
-
-
 # -- a kill after every file operation of a save and of a re-save ----------------------------
 
 class Killer:
@@ -195,10 +185,6 @@ def run_killed(at, work):
 
 def weights(bundle):
     return {k: v.detach().clone() for k, v in bundle.model.state_dict().items()}
-
-
-def equal(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("resave", [False, True], ids=["new step", "same step again"])

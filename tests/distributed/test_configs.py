@@ -5,13 +5,7 @@ import torch
 import shardwise as sw
 from shardwise.testing import SyntheticTokens, TinyTransformerLM, run_distributed
 
-SEED = {
-    "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "fsdp_config": {
-        "fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_cpu_offload": False,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_cpu_ram_efficient_loading": True,
-        "fsdp_activation_checkpointing": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
-    "mixed_precision": "bf16", "num_machines": 1, "num_processes": 4}
+from conftest import SEED
 
 
 def train_from_seed():

@@ -17,30 +17,12 @@ from torch.utils.data import DataLoader
 
 import shardwise as sw
 from shardwise.errors import CheckpointError, LossError, NonFiniteError
-from shardwise.testing import SyntheticTokens, TinyTransformerLM, full_state, run_distributed
+from shardwise.testing import SyntheticTokens, full_state, run_distributed
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-try:
-    import deepspeed  # noqa: F401
-    MISSING = None
-except Exception as exc:  # ImportError, or its accelerator failing to set up
-    MISSING = f"deepspeed cannot be imported here ({type(exc).__name__}: {exc})"
-
-needs_deepspeed = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
+from _checkpointing import Payload
+from _deepspeed import FP32, _loader, _model, needs_deepspeed
 
 STEPS = 8  # micro-batches: 4 optimizer steps of 2
-FP32 = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-        "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "steps_per_print": 10**9}
-
-
-def _model():
-    torch.manual_seed(0)
-    return TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
-
-
-def _loader(batch_size):
-    return DataLoader(SyntheticTokens(size=32, seq_len=8), batch_size=batch_size, shuffle=True)
 
 
 def _train(bundle):
@@ -268,16 +250,6 @@ def test_save_load_resume_in_new_processes_is_bit_exact_and_export_gathers(tmp_p
     with pytest.raises(CheckpointError, match="written by the deepspeed engine, this bundle "
                                               "runs the torch engine"):
         sw.load(path, native)
-
-
-class Payload:
-    """Runs a command when unpickled."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def _load_tampered(root):

@@ -10,16 +10,7 @@ from safetensors.torch import load_file
 import shardwise as sw
 from shardwise.testing import PeakGrowth, TinyTransformerLM, full_state, run_distributed
 
-
-def trained(parts, steps=2):
-    torch.manual_seed(0)
-    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
-    bundle = sw.pipeline(sw.detect(), *parts)(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(sw.detect().rank))
-    state = bundle.init()
-    for _ in range(steps):
-        state, _ = bundle.step(state, {"input_ids": ids, "labels": ids})
-    return bundle
+from _checkpointing import trained
 
 
 def export_from(root, parts):
@@ -63,7 +54,9 @@ EXPORTED = {
 }
 
 
-def export_measured(root, name):
+def measured_bundle(name):
+    """Layout ``name`` of :data:`EXPORTED` on this rank (posing as its nodes) over a
+    :func:`big_llama` with SGD: the env, the bundle and the model's size in fp32 bytes."""
     parts, nodes, tied = EXPORTED[name]
     env = sw.detect()
     if nodes > 1:
@@ -72,6 +65,11 @@ def export_measured(root, name):
     model = big_llama(tied)
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
     bundle = sw.pipeline(env, *parts)(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return env, bundle, model_bytes
+
+
+def export_measured(root, name):
+    env, bundle, model_bytes = measured_bundle(name)
     ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))
     state = bundle.init()
     state, _ = bundle.step(state, {"input_ids": ids, "labels": ids})
@@ -111,17 +109,10 @@ def test_an_export_from_four_ranks_gathers_the_model_nowhere(tmp_path, name):
 
 
 def load_measured(folder, name):
-    parts, nodes, tied = EXPORTED[name]
-    env = sw.detect()
-    if nodes > 1:
-        env = sw.detect(num_nodes=nodes, local_world_size=env.world_size // nodes,
-                        node_rank=env.rank // 2, local_rank=env.rank % 2)
     torch.manual_seed(1)  # other weights than the files'
-    model = big_llama(tied)
-    model_bytes = sum(p.numel() * 4 for p in model.parameters())
-    bundle = sw.pipeline(env, *parts)(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    env, bundle, model_bytes = measured_bundle(name)
     with PeakGrowth() as grown:
-        sw.load_pretrained(f"{folder}/{int(tied)}", bundle)
+        sw.load_pretrained(f"{folder}/{int(EXPORTED[name][2])}", bundle)
     loaded = full_state(bundle.model)  # a collective: every rank gathers
     return grown.bytes / model_bytes, loaded if env.rank in (0, 1) else {}
 

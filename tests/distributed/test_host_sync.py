@@ -1,6 +1,5 @@
 # The default step reads nothing on the host it has just computed; a late check still names the step.
 # Its tests that start no process are in tests/unit/test_host_reads.py.
-import contextlib
 
 import pytest
 import torch
@@ -9,52 +8,7 @@ import shardwise as sw
 from shardwise.errors import NonFiniteError
 from shardwise.testing import full_state, max_param_diff, run_distributed
 
-from conftest import lm_and_adamw, token_batches
-
-#: every way a tensor's value reaches Python: on an accelerator each waits for the device
-READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
-
-
-@contextlib.contextmanager
-def counting_reads():
-    """Record (how, tensor) for every host read of a tensor's value inside."""
-    seen: list[tuple[str, torch.Tensor]] = []
-    saved = {name: torch.Tensor.__dict__.get(name) for name in READS}
-
-    def recording(name, read):
-        def reader(self, *args, **kwargs):
-            seen.append((name, self))
-            return read(self, *args, **kwargs)
-        return reader
-
-    for name in READS:
-        setattr(torch.Tensor, name, recording(name, getattr(torch.Tensor, name)))
-    try:
-        yield seen
-    finally:
-        for name, own in saved.items():
-            if own is None:
-                delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, own)
-
-
-def reads_per_call(bundle, batches, **step_kwargs):
-    """For each step() call: (optimizer stepped, reads of the previous step's pending flag,
-    other reads)."""
-    state, calls = bundle.init(), []
-    for batch in batches:
-        pending = state.pending_check
-        with counting_reads() as seen:
-            state, out = bundle.step(state, batch, **step_kwargs)
-        late = sum(1 for _, t in seen if pending is not None and t is pending.flag)
-        calls.append((out.stepped, late, len(seen) - late))
-    return calls, bundle.check(state)
-
-
-def nan_loss(model, batch):
-    loss = model(input_ids=batch["input_ids"], labels=batch["labels"])["loss"]
-    return loss * batch["scale"]
+from conftest import lm_and_adamw, nan_loss, reads_per_call, token_batches
 
 
 def ranks_reads(parts):

@@ -5,18 +5,7 @@ import torch
 import shardwise as sw
 from shardwise.testing import TinyMLP, run_distributed
 
-EVERY, STEPS = 3, 6
-
-
-def batches(rank, steps=STEPS):
-    """Each rank's own batches: (x, y) pairs drawn from a seed per rank."""
-    generator = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator))
-            for _ in range(steps)]
-
-
-def snapshot(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+from _local_sgd import EVERY, batches, snapshot
 
 
 def on_accelerate():

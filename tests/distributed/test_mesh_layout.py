@@ -6,18 +6,9 @@ import torch
 import shardwise as sw
 from shardwise.testing import run_distributed
 
+from _parallel import heads8
+
 transformers = pytest.importorskip("transformers")
-
-
-def heads8():
-    """A tiny Llama with 8 attention heads (cp=4 x tp=2 gives each rank one)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=32,
-        attn_implementation="sdpa"))
 
 
 def on_eight_fake_ranks():

@@ -5,43 +5,19 @@ clipping) under tensor parallelism must match one process on the same global bat
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import shardwise as sw
 from shardwise.errors import DataError, RankFailedError
 from shardwise.testing import full_state, max_param_diff, run_distributed
+
+from _parallel import Tokens, llama
 
 pytest.importorskip("transformers")
 
 GLOBAL_BATCH = 4
 STEPS = 4  # optimizer steps
 ACCUMULATE = 2
-
-
-class Tokens(Dataset):
-    """Token ids with a third of the labels masked (token counts differ between batches)."""
-
-    def __init__(self, size=64, seq=8, vocab=64):
-        gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (size, seq), generator=gen)
-        self.labels = self.ids.clone()
-        self.labels[torch.rand(self.ids.shape, generator=gen) < 0.33] = -100
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
-
-
-def llama(tie=False, heads=4, kv_heads=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=32, tie_word_embeddings=tie)
-    return LlamaForCausalLM(config)
 
 
 def token_sum(model, batch):

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import KEPT, LENGTH, VOCAB, assert_same_logs, tiny_llama
+from test_trainer import KEPT, assert_same_logs
 
 import shardwise as sw
 from shardwise.testing import free_port, run_distributed
 
 from _jobs import run_jobs
+from _trainer import LENGTH, VOCAB, tiny_llama
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")

@@ -3,12 +3,12 @@ import copy
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 import shardwise as sw
 from shardwise.errors import ArgumentError, CheckpointError
-from shardwise.testing import TinyMLP
 
+from _checkpointing import ids_bundle
 from conftest import build_lm, fingerprint, lm_bundle, same, train_for
 
 # -- all or nothing ------------------------------------------------------------------------
@@ -101,28 +101,6 @@ def test_a_load_in_the_middle_of_a_window_equals_a_clean_resume(tmp_path):
 
 
 # -- the data position: a global cursor, any world size ------------------------------------
-
-class Ids(Dataset):
-    """Sample i is (i repeated 8 times, 0): its id can be read back from any batch."""
-
-    def __init__(self, size):
-        self.size = size
-        self.fetched = 0
-
-    def __len__(self):
-        return self.size
-
-    def __getitem__(self, i):
-        self.fetched += 1
-        return torch.full((8,), float(i)), torch.zeros(1)
-
-
-def ids_bundle(batch_size, size=64, drop_last=False):
-    torch.manual_seed(0)
-    model = TinyMLP()
-    loader = DataLoader(Ids(size), batch_size=batch_size, shuffle=True, drop_last=drop_last)
-    return sw.pipeline(sw.detect())(model, torch.optim.SGD(model.parameters(), lr=0.01), loader)
-
 
 def test_positioning_reads_no_sample_before_the_cursor():
     bundle = ids_bundle(1000, size=1_000_000)

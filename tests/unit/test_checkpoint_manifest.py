@@ -13,6 +13,7 @@ import shardwise as sw
 from shardwise.checkpoint import integrity, lock
 from shardwise.errors import ArgumentError, CheckpointError
 
+from _checkpointing import saved_two
 from conftest import build_lm, fingerprint, same, train_for
 
 # -- one writer per root ------------------------------------------------------------------
@@ -34,15 +35,6 @@ def test_two_bundles_of_one_process_take_turns(tmp_path):
 
 
 # -- the manifest, forged metadata, symlinks -----------------------------------------------
-
-def saved_two(root):
-    bundle = build_lm([], accumulate=1)
-    state, _ = train_for(bundle, bundle.init(), 1)
-    first = sw.save(root, bundle, state)
-    state, _ = train_for(bundle, state, 1)
-    second = sw.save(root, bundle, state)
-    return bundle, state, first, second
-
 
 def test_a_shard_lost_before_hashing_fails_the_save_and_keep_last_deletes_nothing(
         tmp_path, monkeypatch):

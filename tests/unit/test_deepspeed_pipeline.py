@@ -10,28 +10,9 @@ from torch.utils.data import DataLoader
 import shardwise as sw
 from shardwise.deepspeed_engine.auto import Given, resolve
 from shardwise.errors import ArgumentError, CheckpointError, ConfigError, ConflictError
-from shardwise.testing import SyntheticTokens, TinyTransformerLM
+from shardwise.testing import SyntheticTokens
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-try:
-    import deepspeed  # noqa: F401
-    MISSING = None
-except Exception as exc:  # ImportError, or its accelerator failing to set up
-    MISSING = f"deepspeed cannot be imported here ({type(exc).__name__}: {exc})"
-
-needs_deepspeed = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
-FP32 = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-        "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "steps_per_print": 10**9}
-
-
-def _model():
-    torch.manual_seed(0)
-    return TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
-
-
-def _loader(batch_size):
-    return DataLoader(SyntheticTokens(size=32, seq_len=8), batch_size=batch_size, shuffle=True)
+from _deepspeed import FP32, MISSING, _loader, _model, needs_deepspeed
 
 
 def _given(precision="fp32", by=None, steps=1, steps_by=None, clip=None, clip_by=None):

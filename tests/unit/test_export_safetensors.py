@@ -4,18 +4,8 @@ import torch
 from safetensors.torch import load_file
 
 import shardwise as sw
-from shardwise.testing import TinyTransformerLM
 
-
-def trained(parts, steps=2):
-    torch.manual_seed(0)
-    model = TinyTransformerLM(vocab=32, dim=16, heads=2, layers=2)
-    bundle = sw.pipeline(sw.detect(), *parts)(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(sw.detect().rank))
-    state = bundle.init()
-    for _ in range(steps):
-        state, _ = bundle.step(state, {"input_ids": ids, "labels": ids})
-    return bundle
+from _checkpointing import trained
 
 
 def test_export_casts_to_a_dtype(tmp_path):

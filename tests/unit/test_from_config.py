@@ -13,18 +13,12 @@ from shardwise.configs import read_config
 from shardwise.errors import ConfigError
 from shardwise.testing import SyntheticTokens, TinyTransformerLM
 
+from conftest import SEED
+
 CPU_ONE = sw.Env()
 CPU_TWO = sw.Env(world_size=2, local_world_size=2)
 GPU_FOUR = sw.Env(world_size=4, local_world_size=4, device="meta",
                   precisions=("fp32", "bf16", "fp16"))
-
-SEED = {
-    "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "fsdp_config": {
-        "fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_cpu_offload": False,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_cpu_ram_efficient_loading": True,
-        "fsdp_activation_checkpointing": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
-    "mixed_precision": "bf16", "num_machines": 1, "num_processes": 4}
 
 
 def parts(pipe):

@@ -1,5 +1,4 @@
 # The default step reads nothing on the host it has just computed (one process); a late check names the step.
-import contextlib
 import copy
 
 import pytest
@@ -10,47 +9,7 @@ import shardwise as sw
 from shardwise.errors import NonFiniteError
 from shardwise.testing import SyntheticRegression, TinyMLP, full_state, max_param_diff
 
-from conftest import ONE, lm_and_adamw, token_batches
-
-#: every way a tensor's value reaches Python: on an accelerator each waits for the device
-READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
-
-
-@contextlib.contextmanager
-def counting_reads():
-    """Record (how, tensor) for every host read of a tensor's value inside."""
-    seen: list[tuple[str, torch.Tensor]] = []
-    saved = {name: torch.Tensor.__dict__.get(name) for name in READS}
-
-    def recording(name, read):
-        def reader(self, *args, **kwargs):
-            seen.append((name, self))
-            return read(self, *args, **kwargs)
-        return reader
-
-    for name in READS:
-        setattr(torch.Tensor, name, recording(name, getattr(torch.Tensor, name)))
-    try:
-        yield seen
-    finally:
-        for name, own in saved.items():
-            if own is None:
-                delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, own)
-
-
-def reads_per_call(bundle, batches, **step_kwargs):
-    """For each step() call: (optimizer stepped, reads of the previous step's pending flag,
-    other reads)."""
-    state, calls = bundle.init(), []
-    for batch in batches:
-        pending = state.pending_check
-        with counting_reads() as seen:
-            state, out = bundle.step(state, batch, **step_kwargs)
-        late = sum(1 for _, t in seen if pending is not None and t is pending.flag)
-        calls.append((out.stepped, late, len(seen) - late))
-    return calls, bundle.check(state)
+from conftest import ONE, lm_and_adamw, nan_loss, reads_per_call, token_batches
 
 
 def test_the_default_step_reads_only_the_previous_steps_flag():
@@ -96,11 +55,6 @@ def test_a_fused_sgd_with_momentum_reads_its_first_step_until_buffers_exist():
     batches = list(DataLoader(SyntheticRegression(size=16), batch_size=4))
     calls, _ = reads_per_call(bundle, batches)
     assert [c[2] for c in calls] == [1, 0, 0, 0]
-
-
-def nan_loss(model, batch):
-    loss = model(input_ids=batch["input_ids"], labels=batch["labels"])["loss"]
-    return loss * batch["scale"]
 
 
 def scaled(batches, bad_at):

@@ -7,18 +7,7 @@ from shardwise.errors import ConflictError
 from shardwise.parallel.ulysses import sequence_slice
 from shardwise.testing import TinyMLP
 
-EVERY, STEPS = 3, 6
-
-
-def batches(rank, steps=STEPS):
-    """Each rank's own batches: (x, y) pairs drawn from a seed per rank."""
-    generator = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator))
-            for _ in range(steps)]
-
-
-def snapshot(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+from _local_sgd import EVERY, batches, snapshot
 
 
 def test_local_sgd_is_refused_where_it_cannot_run():

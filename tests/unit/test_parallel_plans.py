@@ -1,40 +1,15 @@
 # Tensor, context and pipeline parallelism without ranks: plans and arguments refused, sizes from the layout.
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import shardwise as sw
 from shardwise.errors import ArgumentError, ConflictError, DataError
 
+from _parallel import Tokens, heads8, llama
 from conftest import ONE
 
 pytest.importorskip("transformers")
-
-
-class Tokens(Dataset):
-    """Token ids with a third of the labels masked (token counts differ between batches)."""
-
-    def __init__(self, size=64, seq=8, vocab=64):
-        gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (size, seq), generator=gen)
-        self.labels = self.ids.clone()
-        self.labels[torch.rand(self.ids.shape, generator=gen) < 0.33] = -100
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
-
-
-def llama(tie=False, heads=4, kv_heads=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=32, tie_word_embeddings=tie)
-    return LlamaForCausalLM(config)
 
 
 # -- refused plans (the plan is checked before anything is split) --------------------------
@@ -190,17 +165,6 @@ def test_arguments_are_checked():
 # -- sizes left at None come from the one mesh layout, in explain() and the estimate ----------
 
 EIGHT = sw.Env(world_size=8, local_world_size=8)
-
-
-def heads8():
-    """A tiny Llama with 8 attention heads (cp=4 x tp=2 gives each rank one)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=32,
-        attn_implementation="sdpa"))
 
 
 def test_a_transform_at_size_none_is_sized_from_the_one_layout_in_explain():

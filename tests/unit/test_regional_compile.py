@@ -7,42 +7,13 @@ import pytest
 import torch
 import torch._dynamo
 import yaml
-from torch.utils.data import DataLoader
 
 import shardwise as sw
 from shardwise.errors import ArgumentError, ConfigError, ConflictError
-from shardwise.testing import SyntheticTokens, TinyTransformerLM, full_state, max_param_diff
+from shardwise.testing import TinyTransformerLM, max_param_diff
 
+from _compiling import train
 from conftest import ONE
-
-STEPS = 3
-
-
-def train(parts, batch_size=4, layers=2):
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    model = TinyTransformerLM(vocab=32, dim=32, heads=2, layers=layers)
-    loader = DataLoader(SyntheticTokens(size=64, seq_len=8), batch_size=batch_size, shuffle=True)
-    pipe = sw.pipeline(sw.detect(), *parts, sw.checkpoint_activations(),
-                       sw.accumulate_gradients(2), sw.clip_gradients(0.5))
-    bundle = pipe(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader)
-    state = bundle.init()
-    for batch in bundle.loader:
-        state, _ = bundle.step(state, batch)
-        if state.step == STEPS:
-            break
-    bundle.check(state)
-    return {"params": full_state(bundle.model), "graphs": counters["stats"]["unique_graphs"],
-            "names": sorted(n for n, _ in bundle.model.named_parameters()),
-            "explain": pipe.explain()}
-
-
-@pytest.fixture(scope="module")
-def eager():
-    return {size: train([], batch_size=size) for size in (2, 4)}
 
 
 def test_regional_compile_is_one_graph_per_distinct_block_and_equals_eager(eager):

@@ -12,6 +12,7 @@ import shardwise as sw
 from shardwise.errors import CheckpointError
 from shardwise.testing import SyntheticTokens, TinyMLP, TinyTransformerLM, full_state
 
+from _checkpointing import Payload, _optimizer_tensors
 from conftest import build_lm as build
 from conftest import train_for, within
 
@@ -132,16 +133,6 @@ def test_a_full_disk_during_save_raises_and_keeps_the_previous_checkpoint(tmp_pa
     assert sw.latest_checkpoint(tmp_path) == previous
     assert not (tmp_path / "step_00000002").exists()
     assert sw.load(tmp_path, bundle).step == 1
-
-
-def _optimizer_tensors(optimizer):
-    local = getattr(optimizer, "optim", optimizer)  # ZeRO-1: this rank's share
-    out = {}
-    for i, values in enumerate(local.state.values()):
-        for key, value in values.items():
-            value = value.full_tensor() if hasattr(value, "full_tensor") else value
-            out[f"{i}.{key}"] = value.detach().clone()
-    return out
 
 
 @pytest.mark.parametrize("payload, shown", [
@@ -289,16 +280,6 @@ def test_a_missing_or_corrupt_rng_file_fails_the_load_before_anything_changes(tm
             sw.load(tmp_path, bundle)
         after = full_state(bundle.model)
         assert all(torch.equal(after[k], before[k]) for k in before)  # nothing restored
-
-
-class Payload:
-    """Runs a command when unpickled."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 class WithExtraState(torch.nn.Module):

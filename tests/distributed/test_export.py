@@ -30,12 +30,12 @@ def test_export_from_two_ranks_loads_strictly_into_the_plain_model(tmp_path, par
     assert not any(("module." in k or "_fsdp" in k or "_checkpoint" in k) for k in weights)
 
 
-def big_llama(tied=True):
+def big_llama(tied=True, seed=0):
     """A Llama of ~38 MB whose largest tensor is ~1% of it: what a rank holds at once
     shows in its resident memory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=64, attn_implementation="sdpa",
@@ -54,7 +54,7 @@ EXPORTED = {
 }
 
 
-def measured_bundle(name):
+def measured_bundle(name, seed=0):
     """Layout ``name`` of :data:`EXPORTED` on this rank (posing as its nodes) over a
     :func:`big_llama` with SGD: the env, the bundle and the model's size in fp32 bytes."""
     parts, nodes, tied = EXPORTED[name]
@@ -62,7 +62,7 @@ def measured_bundle(name):
     if nodes > 1:
         env = sw.detect(num_nodes=nodes, local_world_size=env.world_size // nodes,
                         node_rank=env.rank // 2, local_rank=env.rank % 2)
-    model = big_llama(tied)
+    model = big_llama(tied, seed)
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
     bundle = sw.pipeline(env, *parts)(model, torch.optim.SGD(model.parameters(), lr=0.1))
     return env, bundle, model_bytes
@@ -109,8 +109,7 @@ def test_an_export_from_four_ranks_gathers_the_model_nowhere(tmp_path, name):
 
 
 def load_measured(folder, name):
-    torch.manual_seed(1)  # other weights than the files'
-    env, bundle, model_bytes = measured_bundle(name)
+    env, bundle, model_bytes = measured_bundle(name, seed=1)  # other weights than the files'
     with PeakGrowth() as grown:
         sw.load_pretrained(f"{folder}/{int(EXPORTED[name][2])}", bundle)
     loaded = full_state(bundle.model)  # a collective: every rank gathers

@@ -230,3 +230,52 @@ def test_a_sharded_checkpoint_converts_to_hugging_face_files_offline(tmp_path):
     storage.write_bytes(bytes(data))
     assert main(["to-hf", path, str(tmp_path / "again")]) == 2
     assert not (tmp_path / "again").exists()
+
+
+def trainer_resumed(root):
+    """A Trainer on shardwise under FSDP2 saves at step 1; a new one (other initial weights)
+    resumes from it with the Trainer's own whole-file read made to fail: the trained
+    weights, and those the resumed model holds once they were read into its shards."""
+    from transformers import Trainer, TrainingArguments
+
+    def run(resume):
+        model = big_llama(tied=False, seed=3 if resume else 0)
+        ids = torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0))
+        data = [{"input_ids": row, "labels": row} for row in ids]
+        args = TrainingArguments(output_dir=f"{root}/run", use_cpu=True, report_to=[],
+                                 max_steps=1 if not resume else 2, save_steps=1,
+                                 per_device_train_batch_size=2, ddp_backend="gloo",
+                                 learning_rate=0.1, **TRAINER_LAYOUTS["fsdp2"])
+        trainer = sw.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=f"{root}/run/checkpoint-1" if resume else None)
+        return trainer
+
+    saved = full_state(run(False).model)
+
+    def whole_read(self, *args, **kwargs):
+        raise AssertionError("the Trainer read the checkpoint's weights whole")
+
+    Trainer._load_from_checkpoint = whole_read
+    import shardwise.trainer.accelerator as accelerator
+
+    read, resumed = accelerator.read_deferred, {}
+
+    def recorded(owner, module):
+        pending = owner.pending_weights is not None
+        read(owner, module)
+        if pending:  # the weights as read, before the step the resumed run takes
+            resumed.update(full_state(module))
+
+    accelerator.read_deferred = recorded
+    run(True)
+    return (saved, resumed) if sw.detect().rank == 0 else (None, None)
+
+
+def test_a_trainer_resume_reads_each_ranks_slices_of_the_weights(tmp_path):
+    """Resuming a Trainer on shardwise whose model is sharded reads the checkpoint's weights
+    into each rank's shards after the pipeline has distributed it, never whole into every
+    rank's model first (the Trainer's own read is made to fail here); the resumed run equals
+    the uninterrupted one (test_trainer.py's resume tests)."""
+    (saved, resumed), _ = run_distributed(trainer_resumed, str(tmp_path), timeout=300)
+    assert set(saved) == set(resumed)
+    assert all(torch.equal(saved[k], resumed[k]) for k in saved)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -33,6 +34,7 @@ from shardwise.errors import ArgumentError
 from shardwise.metrics import gather_for_metrics
 from shardwise.parallel.mesh import data_share
 from shardwise.pipelines import Pipeline
+from shardwise.trainer.checkpoint_files import read_deferred
 from shardwise.trainer.from_accelerate import (
     REFUSED,
     accelerate_precision,
@@ -147,6 +149,8 @@ class ShardwiseAccelerator:
                             pipe.env.device, "no")
         self.distributed_type = self.state.distributed_type
         self._models: list[nn.Module] = []
+        #: a resume's weights folder, read once the pipeline has distributed the model
+        self.pending_weights: Path | None = None
         self.scaler: torch.amp.GradScaler | None = None
         self._synced = False  # a backward has synchronised gradients
         self._skipping = False  # inside no_sync
@@ -336,6 +340,7 @@ class ShardwiseAccelerator:
             raise NotImplementedError("an optimizer stepped by another (ZeRO-1) under the Trainer "
                                       "on shardwise is not supported yet")
         self.bundle = bundle
+        read_deferred(self, bundle.engine.unwrap(bundle.model))  # a resume's weights, sliced
         self._amp(bundle.engine.unwrap(bundle.model), bundle.engine)
         self.state = attrs.evolve(self.state, mixed_precision=bundle.plan.precision)
         bridge_accelerate_state(self.env, bundle.plan.precision)

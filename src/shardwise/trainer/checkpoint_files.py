@@ -38,7 +38,7 @@ from shardwise.checkpoint.hf_files import (
 from shardwise.errors import CheckpointError
 
 __all__ = ["load_best_model", "load_optimizer_and_scheduler", "save_model_files",
-           "save_optimizer_and_scheduler", "sharded"]
+           "save_optimizer_and_scheduler", "sharded", "deferred_weights", "read_deferred"]
 
 #: the Trainer's file names (transformers.trainer's OPTIMIZER_NAME, SCHEDULER_NAME and
 #: SAFE_WEIGHTS_NAME), fixed by its checkpoint layout
@@ -111,5 +111,34 @@ def load_best_model(trainer: Any) -> None:
                               f"{HF_INDEX}): the Trainer on shardwise saves a sharded model "
                               "in those")
     module = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad():
+        read_hf_files(export_state(module, None), folder)
+
+
+def deferred_weights(trainer: Any, checkpoint: str, model: Any) -> bool:
+    """Whether resuming from ``checkpoint`` reads the weights after the pipeline has
+    distributed the model (each rank its slices, :func:`read_deferred`) instead of the
+    Trainer reading them whole into every rank's model first: the Trainer's first call
+    (no ``model``), before the model is prepared, on files of the model's own (safetensors,
+    no adapter). Records the folder on the accelerator when so."""
+    folder = Path(checkpoint)
+    accelerator = trainer.accelerator
+    if model is not None or getattr(accelerator, "bundle", None) is not None:
+        return False
+    if any(folder.glob("adapter_model.*")) or any(folder.glob("*/adapter_model.*")):
+        return False  # PEFT adapters: the Trainer's own path
+    if not ((folder / WEIGHTS).is_file() or (folder / HF_INDEX).is_file()):
+        return False
+    accelerator.pending_weights = folder
+    return True
+
+
+def read_deferred(accelerator: Any, module: Any) -> None:
+    """The weights a resume left for after the model was distributed, read into this rank's
+    shards (every rank calls it, from the accelerator's prepare)."""
+    folder = getattr(accelerator, "pending_weights", None)
+    if folder is None:
+        return
+    accelerator.pending_weights = None
     with torch.no_grad():
         read_hf_files(export_state(module, None), folder)

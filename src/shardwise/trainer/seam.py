@@ -134,6 +134,8 @@ def _checkpoints(base: type) -> dict[str, Any]:
 
     def _load_from_checkpoint(self: Any, resume_from_checkpoint: str, model: Any = None) -> None:
         transaction.verify_checkpoint(self, resume_from_checkpoint)
+        if sharded_files.deferred_weights(self, resume_from_checkpoint, model):
+            return  # read into each rank's shards once the pipeline has distributed the model
         base._load_from_checkpoint(self, resume_from_checkpoint, model)  # type: ignore[attr-defined]
 
     return {"_save": _save, "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,

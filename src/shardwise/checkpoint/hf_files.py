@@ -26,7 +26,7 @@ import torch
 from shardwise._params import clean_name
 
 __all__ = ["HF_WEIGHTS", "HF_INDEX", "SHARDED", "export_state", "file_plan", "write_hf_files",
-           "read_hf_files"]
+           "read_hf_files", "holds_weights"]
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -36,6 +36,11 @@ SHARDED = "sharded"
 MAX_FILE_BYTES = 5 * 10**9
 #: files the pieces of the model are cut into before consolidation, per rank
 PIECES_PER_RANK = 8
+
+
+def holds_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds Hugging Face weights: ``model.safetensors`` or an index."""
+    return (folder / HF_WEIGHTS).is_file() or (folder / HF_INDEX).is_file()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

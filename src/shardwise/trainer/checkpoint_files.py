@@ -30,8 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
 from shardwise._params import is_dtensor
 from shardwise.checkpoint.hf_files import (
     HF_INDEX,
+    HF_WEIGHTS,
     MAX_FILE_BYTES,
     export_state,
+    holds_weights,
     read_hf_files,
     write_hf_files,
 )
@@ -40,9 +42,9 @@ from shardwise.errors import CheckpointError
 __all__ = ["load_best_model", "load_optimizer_and_scheduler", "save_model_files",
            "save_optimizer_and_scheduler", "sharded", "deferred_weights", "read_deferred"]
 
-#: the Trainer's file names (transformers.trainer's OPTIMIZER_NAME, SCHEDULER_NAME and
-#: SAFE_WEIGHTS_NAME), fixed by its checkpoint layout
-OPTIMIZER, SCHEDULER, WEIGHTS = "optimizer.pt", "scheduler.pt", "model.safetensors"
+#: the Trainer's file names (transformers.trainer's OPTIMIZER_NAME and SCHEDULER_NAME), fixed
+#: by its checkpoint layout; its weights' names are save_pretrained's (hf_files.HF_WEIGHTS)
+OPTIMIZER, SCHEDULER = "optimizer.pt", "scheduler.pt"
 
 
 def sharded(trainer: Any) -> bool:
@@ -106,8 +108,8 @@ def load_best_model(trainer: Any) -> None:
         CheckpointError: no weights there, or weights that do not fit the model (named).
     """
     folder = Path(trainer.state.best_model_checkpoint)
-    if not (folder / WEIGHTS).is_file() and not (folder / HF_INDEX).is_file():
-        raise CheckpointError(f"load_best_model_at_end: {folder} holds no {WEIGHTS} (nor "
+    if not holds_weights(folder):
+        raise CheckpointError(f"load_best_model_at_end: {folder} holds no {HF_WEIGHTS} (nor "
                               f"{HF_INDEX}): the Trainer on shardwise saves a sharded model "
                               "in those")
     module = trainer.accelerator.unwrap_model(trainer.model)
@@ -127,7 +129,7 @@ def deferred_weights(trainer: Any, checkpoint: str, model: Any) -> bool:
         return False
     if any(folder.glob("adapter_model.*")) or any(folder.glob("*/adapter_model.*")):
         return False  # PEFT adapters: the Trainer's own path
-    if not ((folder / WEIGHTS).is_file() or (folder / HF_INDEX).is_file()):
+    if not holds_weights(folder):
         return False
     accelerator.pending_weights = folder
     return True

@@ -118,9 +118,12 @@ def test_only_the_known_teardown_abort_is_run_once_more(tmp_path):
 
 def test_accelerate_launch_flags_are_accepted_and_reach_the_script(tmp_path):
     script = tmp_path / "show.py"
-    script.write_text("import os, shardwise as sw\n"
-                      "print('visible', repr(os.environ.get('CUDA_VISIBLE_DEVICES')))\n"
-                      "print(sw.pipeline(sw.detect()).explain())\n")
+    # one write per line: the ranks share the pipe, and print() writes its pieces apart
+    script.write_text("import os, sys, shardwise as sw\n"
+                      "sys.stdout.write(f\"visible {os.environ.get('CUDA_VISIBLE_DEVICES')!r}\\n\")\n"
+                      "env = sw.detect()\n"
+                      "if env.rank == 0:\n"
+                      "    print(sw.pipeline(env).explain())\n")
     proc = launch("--cpu", "--num_processes", "2", "--mixed_precision", "no",
                   "--dynamo_backend", "inductor", str(script))
     assert proc.returncode == 0, proc.stderr[-3000:]

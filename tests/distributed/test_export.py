@@ -279,3 +279,104 @@ def test_a_trainer_resume_reads_each_ranks_slices_of_the_weights(tmp_path):
     (saved, resumed), _ = run_distributed(trainer_resumed, str(tmp_path), timeout=300)
     assert set(saved) == set(resumed)
     assert all(torch.equal(saved[k], resumed[k]) for k in saved)
+
+
+class Normed(torch.nn.Module):
+    """Integer, bool and scalar tensors beside the floats: a BatchNorm's step count, a mask,
+    a scalar temperature (torch's consolidation alone writes scalars as 0 and cannot size
+    integers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+        self.register_buffer("temperature", torch.tensor(0.25))
+        self.norm.num_batches_tracked.fill_(2**60 + 7)
+        self.norm.running_mean.uniform_()
+
+    def forward(self, x):
+        return self.norm(self.linear(x)) * self.temperature
+
+
+SHARD_LINEAR = sw.shard(policy=sw.by_class(torch.nn.Linear))
+
+
+class BrokenConfig:
+    def to_dict(self):
+        raise ValueError("a config that cannot be written")
+
+
+def exports_and_fails(root):
+    torch.manual_seed(0)
+    model = Normed()
+    bundle = sw.pipeline(sw.detect(), SHARD_LINEAR)(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sw.export(os.path.join(root, "out"), bundle, max_shard_size=300)
+    expected = full_state(bundle.model)
+    torch.manual_seed(1)
+    fresh = Normed()
+    again = sw.pipeline(sw.detect(), SHARD_LINEAR)(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    sw.load_pretrained(os.path.join(root, "out"), again)
+    loaded = full_state(again.model)
+    bundle.engine.unwrap(bundle.model).config = BrokenConfig()  # rank 0 alone writes it
+    try:
+        sw.export(os.path.join(root, "out"), bundle)
+        failed = ""
+    except sw.errors.CheckpointError as exc:
+        failed = str(exc)
+    return expected, loaded, failed
+
+
+def test_integer_bool_and_scalar_tensors_export_and_a_failure_on_one_rank_raises_on_all(tmp_path):
+    """A sharded model's integer, bool and scalar tensors reach the files with their dtype,
+    shape and value, and load back into shards; a config rank 0 alone cannot write fails
+    the export on every rank (none is left waiting), and the last export stays whole."""
+    results = run_distributed(exports_and_fails, str(tmp_path), world_size=2, timeout=120)
+    expected = results[0][0]
+    out = tmp_path / "out"
+    files = sorted(out.glob("model-*.safetensors"))
+    assert len(files) > 1, files  # the int and scalar fixes reach every file's header
+    weights = {}
+    for file in files:
+        weights.update(load_file(file))
+    assert weights.keys() == expected.keys()
+    for key, value in expected.items():
+        assert weights[key].dtype == value.dtype and torch.equal(weights[key], value), key
+    assert weights["norm.num_batches_tracked"].item() == 2**60 + 7
+    for _, loaded, failed in results:
+        assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+        assert "cannot write the export" in failed, failed
+    assert "a config that cannot be written" in results[0][2]
+    assert "another rank" in results[1][2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
+    assert sorted(out.glob("model-*.safetensors")) == files
+
+
+def loads_into_stages(folder):
+    from conftest import llama
+
+    model = llama(layers=4)
+    bundle = sw.pipeline(sw.detect(), sw.pipeline_parallel(size=2))(
+        model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        sw.load_pretrained(folder, bundle)
+    except sw.errors.CheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+def test_files_that_do_not_fit_one_stage_are_refused_on_every_rank(tmp_path):
+    """Only the last stage holds layer 3: files without it are refused on both ranks (the
+    first stage, which fits, does not go on to read alone)."""
+    from safetensors.torch import save_file
+
+    from conftest import llama
+
+    llama(layers=4).save_pretrained(tmp_path / "files")
+    weights = load_file(tmp_path / "files" / "model.safetensors")
+    del weights["model.layers.3.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "files" / "model.safetensors", metadata={"format": "pt"})
+    errors = run_distributed(loads_into_stages, str(tmp_path / "files"), world_size=2,
+                             timeout=120)
+    assert "missing model.layers.3.mlp.up_proj.weight" in errors[1], errors
+    assert "another rank" in errors[0], errors

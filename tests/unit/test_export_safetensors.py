@@ -133,3 +133,98 @@ def test_pretrained_files_load_into_a_bundle_and_refuse_what_does_not_fit(tmp_pa
         sw.load_pretrained(tmp_path / "files", bundle)
     with pytest.raises(sw.errors.CheckpointError, match="is not a folder"):
         sw.load_pretrained(tmp_path / "nowhere", bundle)
+
+
+def test_a_cast_leaves_integer_and_bool_tensors_as_they_are(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model.register_buffer("mask", torch.tensor([True, False]))
+    model[1].num_batches_tracked.fill_(3)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sw.export(tmp_path / "out", bundle, dtype=torch.bfloat16)
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert weights["0.weight"].dtype == torch.bfloat16
+    assert weights["1.num_batches_tracked"].dtype == torch.int64
+    assert weights["1.num_batches_tracked"].shape == () and weights["1.num_batches_tracked"] == 3
+    assert torch.equal(weights["mask"], torch.tensor([True, False]))
+
+
+def test_loading_reads_the_files_the_index_names_and_refuses_forged_ones(tmp_path):
+    """As from_pretrained: a stray ``consolidated.safetensors`` beside the indexed files is
+    not the model's; an index naming a file that is not there, or outside the folder, one
+    that is not an index, and a tensor in two of its files are refused, named."""
+    import json
+
+    from safetensors.torch import save_file
+
+    _, model = _llama(tie=False)
+    files = tmp_path / "files"
+    model.save_pretrained(files, max_shard_size="20KB")
+    save_file({k: torch.zeros_like(v) for k, v in model.state_dict().items()},
+              files / "consolidated.safetensors")
+    torch.manual_seed(5)
+    _, other = _llama(tie=False)
+    bundle = sw.pipeline(sw.Env())(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    sw.load_pretrained(files, bundle)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in model.state_dict().items())
+    index_path = files / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    for name, message in [("../outside.safetensors", "names the file"),
+                          ("model-99999-of-99999.safetensors", "names the file")]:
+        forged = {**index, "weight_map": {**index["weight_map"], "lm_head.weight": name}}
+        index_path.write_text(json.dumps(forged))
+        with pytest.raises(sw.errors.CheckpointError, match=message):
+            sw.load_pretrained(files, bundle)
+    index_path.write_text("[1, 2")
+    with pytest.raises(sw.errors.CheckpointError, match="is not a safetensors index"):
+        sw.load_pretrained(files, bundle)
+    index_path.write_text(json.dumps(index))
+    save_file({"lm_head.weight": model.lm_head.weight.detach()}, files / "model-extra.safetensors")
+    doubled = {**index, "weight_map": {**index["weight_map"], "x": "model-extra.safetensors"}}
+    index_path.write_text(json.dumps(doubled))
+    with pytest.raises(sw.errors.CheckpointError, match=r"lm_head\.weight in two files"):
+        sw.load_pretrained(files, bundle)
+    assert first in {p.name for p in files.iterdir()}
+
+
+def test_a_users_config_stays_when_the_new_export_writes_none(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sw.export(tmp_path / "out", bundle)
+    (tmp_path / "out" / "config.json").write_text('{"mine": 1}')
+    sw.export(tmp_path / "out", bundle)
+    assert (tmp_path / "out" / "config.json").read_text() == '{"mine": 1}'
+
+
+def test_a_stale_staging_folder_inside_the_output_is_cleared(tmp_path):
+    """What a killed write left (the pieces folder of a Trainer checkpoint) is not read."""
+    from safetensors.torch import save_file
+
+    from shardwise.checkpoint.hf_files import SHARDED, export_state, write_hf_files
+
+    model = torch.nn.Linear(4, 4)
+    (tmp_path / SHARDED).mkdir()
+    forged = tmp_path / SHARDED / "shard-00001-model-00001-of-00001.safetensors"
+    save_file({"weight": torch.zeros(4, 4)}, forged)
+    write_hf_files(sw.Env(), export_state(model, None), tmp_path, 10**9)
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["weight"], model.weight.detach())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_no_file_of_the_plan_passes_the_limit_but_a_tensor_larger_than_it():
+    import math
+    import random
+
+    from shardwise.checkpoint.hf_files import file_plan
+
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [(f"t{i}", rng.choice([1, 10, 100, 1000])) for i in range(rng.randint(1, 40))]
+        limit = rng.choice([50, 300, 2000])
+        total = sum(size for _, size in sizes)
+        plan = file_plan(sizes, math.ceil(total / limit), limit)
+        indices = list(plan.values())
+        assert indices == sorted(indices) and set(indices) == set(range(1, max(indices) + 1))
+        for index in set(indices):
+            held = [size for name, size in sizes if plan[name] == index]
+            assert sum(held) <= limit or len(held) == 1, (sizes, limit, plan)

@@ -24,7 +24,7 @@ from shardwise.checkpoint.hf_files import (
     write_hf_files,
 )
 from shardwise.checkpoint.layout import fsync_dir
-from shardwise.checkpoint.transaction import describe_os_error
+from shardwise.checkpoint.transaction import describe_os_error, real_dir
 from shardwise.distributed import all_agree
 from shardwise.engines import Engine
 from shardwise.errors import ArgumentError, CheckpointError
@@ -101,15 +101,12 @@ def _write_config(model: torch.nn.Module, out: Path) -> None:
         generation.save_pretrained(out)
 
 
-def _exported_name(name: str) -> bool:
-    """Whether a file of an export folder is one an export writes (the rest is the user's:
-    a tokenizer, a README, and is kept when the export is replaced)."""
-    return name in (HF_WEIGHTS, HF_INDEX, "config.json", "generation_config.json") or \
+def _weights_file(name: str) -> bool:
+    """Whether a file of an export folder holds weights of the export it replaces (never
+    kept beside new weights; every other file is the user's, a tokenizer, a README, or a
+    config the new export does not write, and is kept)."""
+    return name in (HF_WEIGHTS, HF_INDEX) or \
         re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
-
-
-def _real_dir(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink()
 
 
 def _remove(path: Path) -> None:
@@ -132,7 +129,7 @@ def prepare_folder(out: Path, tmp: Path, aside: Path) -> None:
                               "folder and never follows one: pass its target")
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"the export folder {out} is a file; pass a folder")
-    if _real_dir(aside):
+    if real_dir(aside):
         if out.exists():
             shutil.rmtree(aside)  # the new export was published: the old one was left
         else:
@@ -147,7 +144,7 @@ def publish_folder(tmp: Path, out: Path, aside: Path) -> None:
     in), then the old one removed; :func:`prepare_folder` finishes a publish a crash cut."""
     if out.exists():
         for entry in out.iterdir():
-            if _exported_name(entry.name) or (tmp / entry.name).exists():
+            if _weights_file(entry.name) or (tmp / entry.name).exists():
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.copytree(entry, tmp / entry.name, symlinks=True, copy_function=_link)
@@ -228,19 +225,28 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *, dtype: torch.dtype |
                               "error names why)")
     module = bundle.engine.unwrap(bundle.model)
     try:
-        if bundle.engine.exports_in_place:
-            write_hf_files(export_state(module, dtype), tmp, max_shard_size)
+        if bundle.engine.exports_in_place:  # every rank raises alike if any step failed
+            write_hf_files(env, export_state(module, dtype), tmp, max_shard_size)
         else:
             _write_gathered(bundle, tmp, dtype)
-        if env.is_main:
+    except CheckpointError as exc:
+        problem = str(exc)
+    except OSError as exc:  # the gathered file, written by rank 0 alone
+        problem = describe_os_error(exc)
+    if env.is_main and not problem:
+        try:
             _write_config(module, tmp)
             fsync_dir(tmp)
             publish_folder(tmp, out, aside)
-    except OSError as exc:
-        problem = describe_os_error(exc)
+        except OSError as exc:
+            problem = describe_os_error(exc)
+        except Exception as exc:  # a config that cannot be written: every rank must hear
+            problem = f"{type(exc).__name__}: {exc}"
     if not all_agree(env, not problem):  # every rank learns how it went
-        problem = problem or "on another rank"
+        problem = problem or "on another rank (its error names why)"
     if problem:
+        if env.is_main:
+            _remove(tmp)
         raise CheckpointError(f"cannot write the export to {out}: {problem}")
     return out
 
@@ -273,5 +279,5 @@ def load_pretrained(path: str | os.PathLike[str], bundle: Bundle) -> Bundle:
                               "files")
     module = bundle.engine.unwrap(bundle.model)
     with torch.no_grad():
-        read_hf_files(export_state(module, None), folder)
+        read_hf_files(bundle.env, export_state(module, None), folder)
     return bundle

@@ -7,7 +7,6 @@ are read whole from the shards (DCP reads only those) and written, one file at a
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -15,12 +14,28 @@ from pathlib import Path
 import torch
 
 from shardwise._params import clean_name
-from shardwise.checkpoint.hf_files import HF_INDEX, HF_WEIGHTS, MAX_FILE_BYTES, file_plan
+from shardwise.checkpoint.hf_files import MAX_FILE_BYTES, file_plan, hf_file_name, write_hf_index
 from shardwise.errors import CheckpointError
 
 __all__ = ["checkpoint_to_hf"]
 
 PREFIX = "model."
+
+
+def _config_folder(config: str | os.PathLike[str] | None) -> Path | None:
+    """The folder of ``config`` (a model folder or its ``config.json``).
+
+    Raises:
+        CheckpointError: no ``config.json`` there.
+    """
+    if config is None:
+        return None
+    folder = Path(config)
+    folder = folder.parent if folder.name == "config.json" else folder
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"--config {config}: no config.json there (pass a Transformers "
+                              "model folder or its config.json)")
+    return folder
 
 
 def checkpoint_to_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
@@ -47,6 +62,7 @@ def checkpoint_to_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[
     from shardwise.env import Env
 
     source, target = Path(checkpoint), Path(out)
+    settings = _config_folder(config)  # refused before any work
     if not (source / ".metadata").is_file():
         raise CheckpointError(f"{source} is not a checkpoint folder sw.save wrote (no "
                               "DCP .metadata in it); pass a step_N folder")
@@ -58,16 +74,19 @@ def checkpoint_to_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[
         raise CheckpointError(f"the checkpoint {source} holds no model tensors")
 
     def size(meta: TensorStorageMetadata) -> int:
-        element = torch.empty((), dtype=dtype or meta.properties.dtype).element_size()
+        written = dtype if dtype is not None and meta.properties.dtype.is_floating_point \
+            else meta.properties.dtype
+        element = torch.empty((), dtype=written).element_size()
         return math.prod(meta.size) * element
 
     sizes = [(key, size(meta)) for key, meta in tensors.items()]
-    plan = file_plan(sizes, max(1, math.ceil(sum(s for _, s in sizes) / max_shard_size)))
+    plan = file_plan(sizes, max(1, math.ceil(sum(s for _, s in sizes) / max_shard_size)),
+                     max_shard_size)
     count = max(plan.values())
     tmp = target.parent / f".{target.name}.export.tmp"
     aside = target.parent / f".{target.name}.export.old"
     prepare_folder(target, tmp, aside)
-    weight_map: dict[str, str] = {}
+    names: dict[str, int] = {}  # the file plan under the model's names
     for index in range(1, count + 1):
         keys = [key for key, file in plan.items() if file == index]
         part = {key[len(PREFIX):]: torch.empty(tuple(tensors[key].size),
@@ -76,23 +95,17 @@ def checkpoint_to_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[
         with dcp_quietly():
             dcp.load({"model": part}, storage_reader=SafeReader(source),
                      planner=SafeLoadPlanner(), no_dist=True)
-        name = HF_WEIGHTS if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
+        name = hf_file_name(index, count)
         written = {clean_name(k): (v.to(dtype) if dtype is not None and v.is_floating_point()
                                    else v) for k, v in part.items()}
         save_file(written, str(tmp / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(written, name))
+        names.update({clean_name(key[len(PREFIX):]): file for key, file in plan.items()
+                      if file == index})
         del part, written
-    if count > 1:
-        index_text = json.dumps({"metadata": {"total_size": sum(s for _, s in sizes)},
-                                 "weight_map": dict(sorted(weight_map.items()))}, indent=2)
-        (tmp / HF_INDEX).write_text(index_text)
-    if config is not None:
-        folder = Path(config)
-        folder = folder.parent if folder.name == "config.json" else folder
-        if not (folder / "config.json").is_file():
-            raise CheckpointError(f"--config {config}: no config.json there")
+    write_hf_index(tmp, names, sum(s for _, s in sizes))
+    if settings is not None:
         for name in ("config.json", "generation_config.json"):
-            if (folder / name).is_file():
-                (tmp / name).write_bytes((folder / name).read_bytes())
+            if (settings / name).is_file():
+                (tmp / name).write_bytes((settings / name).read_bytes())
     publish_folder(tmp, target, aside)
     return target

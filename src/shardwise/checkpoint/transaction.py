@@ -140,7 +140,8 @@ def _delete(trash: Path) -> None:
         trash.rmdir()
 
 
-def _real_dir(path: Path) -> bool:
+def real_dir(path: Path) -> bool:
+    """Whether ``path`` is a folder and not a symlink to one."""
     return path.is_dir() and not path.is_symlink()
 
 
@@ -148,14 +149,14 @@ def _sealed(path: Path) -> bool:
     """A real directory holding a regular ``checksums.json``: every checkpoint shardwise
     publishes (``sw.save``'s and the Trainer's) is sealed with one."""
     manifest = path / MANIFEST
-    return _real_dir(path) and manifest.is_file() and not manifest.is_symlink()
+    return real_dir(path) and manifest.is_file() and not manifest.is_symlink()
 
 
 def _published_as(path: Path, name: str) -> bool:
     """Whether the real directory ``path`` is a checkpoint shardwise published as ``name``: a
     complete one whose record names it (older records: a step name), or, without a record,
     the Trainer's layout (its seal, or its ``trainer_state.json``)."""
-    if not _real_dir(path):
+    if not real_dir(path):
         return False
     if not os.path.lexists(path / META):
         return _sealed(path) or (path / TRAINER_STATE).is_file()
@@ -177,15 +178,15 @@ def _ours_tmp(tmp: Path, nested: bool) -> bool:
     """``.tmp.X``: an interrupted save's directory, holding only what a save writes (the
     RNG folder only rank files), or nothing yet; with ``nested`` (a caller sweeping its own
     pattern, the Trainer's ``checkpoint-*``), its staged ``X`` folder too."""
-    if not _real_dir(tmp):
+    if not real_dir(tmp):
         return False
     inner = tmp.name.removeprefix(TMP)
 
     def ours(entry: Path) -> bool:
         if entry.name == "rng":
-            return _real_dir(entry) and all(_RNG_FILES.fullmatch(f.name) for f in entry.iterdir())
+            return real_dir(entry) and all(_RNG_FILES.fullmatch(f.name) for f in entry.iterdir())
         return bool(_TMP_FILES.fullmatch(entry.name)) or (
-            nested and entry.name == inner and _real_dir(entry))
+            nested and entry.name == inner and real_dir(entry))
 
     return all(ours(entry) for entry in tmp.iterdir())
 
@@ -193,7 +194,7 @@ def _ours_tmp(tmp: Path, nested: bool) -> bool:
 def _ours_trash(trash: Path) -> bool:
     """``.trash.X.<8 hex>``: a directory :func:`retire` was deleting (its mark, or a seal,
     or nothing left)."""
-    return _real_dir(trash) and _TRASH_NAME.fullmatch(trash.name) is not None and (
+    return real_dir(trash) and _TRASH_NAME.fullmatch(trash.name) is not None and (
         (trash / TRASH_MARK).is_file() or _sealed(trash) or not any(trash.iterdir()))
 
 

@@ -72,7 +72,8 @@ def save_model_files(trainer: Any, base: Any, output_dir: str | None,
     if dist.is_initialized():
         dist.barrier()
     module = trainer.accelerator.unwrap_model(trainer.model)
-    write_hf_files(export_state(module, None), folder, MAX_FILE_BYTES)
+    write_hf_files(trainer.accelerator.env, export_state(module, None), folder,
+                   MAX_FILE_BYTES)
 
 
 def save_optimizer_and_scheduler(trainer: Any, output_dir: str) -> None:
@@ -114,7 +115,7 @@ def load_best_model(trainer: Any) -> None:
                               "in those")
     module = trainer.accelerator.unwrap_model(trainer.model)
     with torch.no_grad():
-        read_hf_files(export_state(module, None), folder)
+        read_hf_files(trainer.accelerator.env, export_state(module, None), folder)
 
 
 def deferred_weights(trainer: Any, checkpoint: str, model: Any) -> bool:
@@ -143,4 +144,4 @@ def read_deferred(accelerator: Any, module: Any) -> None:
         return
     accelerator.pending_weights = None
     with torch.no_grad():
-        read_hf_files(export_state(module, None), folder)
+        read_hf_files(accelerator.env, export_state(module, None), folder)

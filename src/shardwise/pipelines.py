@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from shardwise import precision
-from shardwise._params import refuse_state
+from shardwise._params import param_names, rebind_optimizer, refuse_state
 from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.choice import choose_distribution, sample_batch
@@ -22,6 +22,7 @@ from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError
 from shardwise.explaining import describe
+from shardwise.meta_init import read_pending_weights, weights_pending
 from shardwise.parallel.mesh import build as build_mesh
 from shardwise.plan import LossFn, Plan
 from shardwise.state import OnNonFinite
@@ -202,14 +203,31 @@ class Pipeline:
                         plan=Plan(on_nonfinite=self.on_nonfinite, mesh=mesh), loss_fn=loss_fn,
                         mesh=build_mesh(self.env, mesh) if mesh and self.env.is_distributed
                         else None)
+        # init_on_meta(weights=): read before a layout that keeps the whole model on every
+        # rank, after the ones that split it (each rank reads its parts)
+        if weights_pending(model) is not None and \
+                not any(t.splits_weights for t in resolved.transforms):
+            _read_weights(model, model, optimizer, self.env, self.env.device)
         for transform in resolved.transforms:
             bundle = transform(bundle)
+        if weights_pending(model) is not None:
+            device = torch.device("cpu") if bundle.plan.offload else self.env.device
+            _read_weights(bundle.engine.unwrap(bundle.model), model, optimizer, self.env, device)
         engine = bundle.engine
         if (optimizer is not None and not engine.owns_optimizer
                 and engine.sharded_optimizer is None and self._late_check(bundle.plan)):
             # after every stage: ZeRO-1 and DeepSpeed keep the user's implementation
             log.info("optimizer: %s", use_fused_kernel(optimizer, bundle.model))
         return bundle
+
+
+def _read_weights(module: torch.nn.Module, root: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer | None, env: Env, device: torch.device) -> None:
+    """The weights ``init_on_meta(weights=)`` left to read, allocated and read into
+    ``module`` (this rank's part), the optimizer re-bound to the allocated parameters."""
+    names = param_names(module)
+    read_pending_weights(module, root, env, device)
+    rebind_optimizer(optimizer, names, module)
 
 
 def _check_call(model: Any, optimizer: Any, loader: Any, scheduler: Any, loss_fn: Any,

@@ -139,6 +139,89 @@ def test_pretrained_weights_load_into_shards_without_a_whole_copy(tmp_path, name
         assert torch.equal(value, expected[key]), key
 
 
+def built_on_meta(folder, name):
+    """Layout ``name`` of :data:`EXPORTED` over a model every rank builds on the meta
+    device, its parts read from the files by the pipeline: the growth of the build."""
+    from transformers import LlamaForCausalLM
+
+    from conftest import llama
+
+    parts, _, tied = EXPORTED[name]
+    tiny = llama(layers=2)  # the layout's code imported, its groups made, before measuring
+    sw.pipeline(sw.detect(), *parts)(tiny, torch.optim.SGD(tiny.parameters(), lr=0.1))
+    path = f"{folder}/{int(tied)}"
+    with PeakGrowth() as grown:
+        model = sw.init_on_meta(lambda: LlamaForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                weights=path)
+        bundle = sw.pipeline(sw.detect(), *parts)(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model_bytes = sum(p.numel() * 4 for p in big_llama(tied).parameters())
+    loaded = full_state(bundle.model)  # a collective: every rank gathers
+    return grown.bytes / model_bytes, loaded if sw.detect().rank in (0, 1) else {}
+
+
+def test_a_model_built_on_meta_everywhere_reads_only_its_parts(tmp_path):
+    """init_on_meta(weights=) under pipeline_parallel(2) x shard() on 4 ranks: no rank
+    builds the model for real, each allocates its parts and reads those slices: no rank's
+    memory rises by 0.75x the model over the whole build, the parts equal from_pretrained."""
+    from transformers import LlamaForCausalLM
+
+    name = "pp2_x_shard"
+    big_llama(False).to(torch.bfloat16).save_pretrained(tmp_path / "0", max_shard_size="3MB")
+    expected = LlamaForCausalLM.from_pretrained(tmp_path / "0",
+                                                torch_dtype=torch.float32).state_dict()
+    results = run_distributed(built_on_meta, str(tmp_path), name, world_size=4, timeout=300)
+    growth = [ratio for ratio, _ in results]
+    print(f"{name} built on meta: peak growth per rank {[round(g, 2) for g in growth]} x the model")
+    assert max(growth) < 0.75, growth
+    loaded = {**results[1][1], **results[0][1]}
+    assert set(loaded) == set(expected)
+    for key, value in loaded.items():
+        assert torch.equal(value, expected[key]), key
+
+
+def two_steps(model, parts):
+    """``model`` under ``parts`` after two AdamW steps: its weights before and after."""
+    bundle = sw.pipeline(sw.detect(), *parts)(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    start = full_state(bundle.model)
+    state = bundle.init()
+    for _ in range(2):
+        state, _ = bundle.step(state, {"input_ids": ids, "labels": ids})
+    return start, full_state(bundle.model)
+
+
+def meta_and_normal(folder, parts):
+    from transformers import AutoModelForCausalLM
+
+    model = sw.init_on_meta(lambda: AutoModelForCausalLM.from_pretrained(folder), weights=folder)
+    was_meta = all(p.is_meta for p in model.parameters())
+    start, end = two_steps(model, parts)
+    _, normal_end = two_steps(AutoModelForCausalLM.from_pretrained(folder), parts)
+    return was_meta, start, end, normal_end
+
+
+@pytest.mark.parametrize("parts", [[sw.shard()], [sw.replicate()], [sw.tensor_parallel(size=2)],
+                                   [sw.pipeline_parallel(size=2)]],
+                         ids=["shard", "replicate", "tp2", "pp2"])
+def test_a_model_built_on_meta_everywhere_trains_as_one_built_from_the_files(tmp_path, parts):
+    """Every layout: the weights read from the files (the non-persistent rotary buffer
+    computed as usual), then two AdamW steps equal to a model built from the same files
+    and trained the same way on 2 ranks (the optimizer holds the allocated parameters)."""
+    from conftest import llama
+
+    llama(layers=4).save_pretrained(tmp_path / "files")
+    results = run_distributed(meta_and_normal, str(tmp_path / "files"), parts, world_size=2,
+                              timeout=120)
+    files = load_file(tmp_path / "files" / "model.safetensors")
+    for was_meta, start, end, normal_end in results:
+        assert was_meta
+        assert all(torch.equal(files[k], v) for k, v in start.items())
+        assert start.keys() == normal_end.keys() == end.keys()
+        assert all(torch.equal(end[k], normal_end[k]) for k in end), \
+            max((end[k] - normal_end[k]).abs().max().item() for k in end)
+        assert any(not torch.equal(end[k], start[k]) for k in end)
+
+
 #: the Trainer's arguments for a sharded model and a split one
 TRAINER_LAYOUTS = {
     "fsdp2": {"fsdp": "full_shard auto_wrap", "fsdp_config": {

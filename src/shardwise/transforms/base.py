@@ -52,6 +52,9 @@ class Transform:
     #: whether it decides how the model is spread over the ranks or kept in step across
     #: them (a layout of its own: the lifecycle tests must cover it)
     distributes: ClassVar[bool] = False
+    #: whether it leaves each rank a part of the model's weights (it accepts a model whose
+    #: parameters are on the meta device: ``init_on_meta(weights=)`` reads the parts after)
+    splits_weights: ClassVar[bool] = False
     #: whether the optimizer keeps its own implementation beside it (no switch to a fused
     #: kernel): "always", "distributed" (with several processes), or None
     keeps_optimizer: ClassVar[str | None] = None

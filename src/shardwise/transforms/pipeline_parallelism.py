@@ -113,6 +113,8 @@ class PipelineParallel(Transform):
         >>> pipe = sw.pipeline(sw.pipeline_parallel(size=2, schedule="Interleaved1F1B"))
     """
 
+    splits_weights = True
+
     size: int | None = attrs.field(default=None, validator=_positive("size", 2**16))
     schedule: str = attrs.field(default="1F1B", kw_only=True, validator=_schedule)
     microbatches: int | None = attrs.field(default=None, kw_only=True,

@@ -7,9 +7,10 @@ from typing import ClassVar
 
 import attrs
 
-from shardwise._params import param_names, rebind_optimizer
+from shardwise._params import param_names, rebind_optimizer, unwrap
 from shardwise.bundle import Bundle
 from shardwise.env import Env
+from shardwise.meta_init import weights_pending
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["Place", "place"]
@@ -33,7 +34,8 @@ class Place(Transform):
         if bundle.engine.owns_optimizer:
             return bundle
         names = param_names(bundle.model)
-        if not bundle.engine.places_parameters:
+        # a model whose weights init_on_meta(weights=) reads later is allocated then
+        if not bundle.engine.places_parameters and weights_pending(unwrap(bundle.model)) is None:
             bundle.model.to(bundle.env.device)
         rebind_optimizer(bundle.optimizer, names, bundle.model)
         return bundle

@@ -64,6 +64,8 @@ class Shard(Distribution):
         >>> pipe = sw.pipeline(sw.shard(sw.by_class("LlamaDecoderLayer")), sw.mixed_precision("bf16"))
     """
 
+    splits_weights = True
+
     policy: Policy = attrs.field(default=None,
                                  converter=lambda value: to_policy(value, "shard"))
     reshard_after_forward: bool = attrs.field(default=True, kw_only=True, validator=boolean)

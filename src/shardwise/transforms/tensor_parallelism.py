@@ -112,6 +112,8 @@ class TensorParallel(Transform):
         >>> pipe = sw.pipeline(sw.tensor_parallel(size=2), sw.shard())  # dp_shard x tp
     """
 
+    splits_weights = True
+
     plan: str | Mapping[str, Any] = attrs.field(default="auto", validator=_plan)
     size: int | None = attrs.field(default=None, kw_only=True, validator=_size)
     stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL

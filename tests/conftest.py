@@ -310,6 +310,8 @@ class Layout(NamedTuple):
     equals_one_process: bool = True
     #: the model's own mean loss (DeepSpeed divides by its accumulation steps itself)
     mean_loss: bool = False
+    #: the model it trains: "llama", or "moe" (tests/_moe.py's Qwen3-MoE)
+    model: str = "llama"
 
 
 LAYOUTS = {
@@ -324,6 +326,7 @@ LAYOUTS = {
     "pp_x_tp": Layout(4, (sw.pipeline_parallel(size=2), sw.tensor_parallel(size=2))),
     "pp_x_dp_shard": Layout(4, (sw.pipeline_parallel(size=2), sw.shard()), data_ranks=2),
     "cp_x_tp": Layout(4, (sw.context_parallel(size=2), sw.tensor_parallel(size=2))),
+    "expert_parallel": Layout(2, (sw.expert_parallel(),), data_ranks=2, model="moe"),
     "local_sgd": Layout(2, (sw.replicate(), sw.local_sgd(2)), data_ranks=2,
                         equals_one_process=False),
     "deepspeed": Layout(2, (sw.deepspeed(DEEPSPEED),), data_ranks=2, mean_loss=True),

@@ -53,6 +53,7 @@ from shardwise.transforms.clipping import clip_gradients as clip_gradients
 from shardwise.transforms.compile_blocks import compile as compile
 from shardwise.transforms.context_parallelism import context_parallel as context_parallel
 from shardwise.transforms.data_distribution import distribute_data as distribute_data
+from shardwise.transforms.expert_parallelism import expert_parallel as expert_parallel
 from shardwise.transforms.offloading import offload as offload
 from shardwise.transforms.optimizer_sharding import shard_optimizer as shard_optimizer
 from shardwise.transforms.pipeline_parallelism import pipeline_parallel as pipeline_parallel
@@ -101,6 +102,7 @@ __all__ = [
     "errors",
     "estimate_memory",
     "evaluate",
+    "expert_parallel",
     "export",
     "find_executable_batch_size",
     "fit",

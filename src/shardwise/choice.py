@@ -18,6 +18,7 @@ from shardwise.transforms.activation_checkpointing import (
     checkpoint_activations,
 )
 from shardwise.transforms.base import Transform
+from shardwise.transforms.expert_parallelism import ExpertParallel
 from shardwise.transforms.offloading import Offload, offload
 from shardwise.transforms.optimizer_sharding import ShardOptimizer
 from shardwise.transforms.replication import replicate
@@ -58,6 +59,9 @@ def choose_distribution(env: Env, given: list[Transform], model: nn.Module,
                         optimizer: torch.optim.Optimizer | None,
                         batch: Any) -> tuple[list[Transform], str]:
     """The distribution transforms for ``model`` under ``env``, and the reason with numbers."""
+    if any(isinstance(t, ExpertParallel) for t in given):
+        return [replicate()], ("default: expert_parallel splits the experts; the other weights "
+                               "are replicated (shard() beside it is not built yet)")
     limit = budget(env)
     if limit is None:
         return [replicate()], (f"default: {env.world_size} processes; device memory unknown, "

@@ -26,6 +26,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+from _moe import moe
 from torch.utils.data import DataLoader
 
 import shardwise as sw
@@ -64,15 +65,17 @@ def own_loss(parts):
                for p in parts)
 
 
-def build(layout=None):
-    """The bundle of ``layout`` (None: one process) on this process's ranks."""
+def build(layout=None, model="llama"):
+    """The bundle of ``layout`` (None: one process, training ``model``) on this process's
+    ranks."""
     parts = layout.parts if layout is not None else ()
     env = sw.detect()
     if layout is not None and layout.nodes > 1:
         per_node = layout.ranks // layout.nodes
         env = sw.detect(num_nodes=layout.nodes, local_world_size=per_node,
                         node_rank=env.rank // per_node, local_rank=env.rank % per_node)
-    model = llama()
+    kind = layout.model if layout is not None else model
+    model = moe("qwen3") if kind == "moe" else llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     data_ranks = layout.data_ranks if layout is not None else 1
     loader = DataLoader(Prompts(), batch_size=GLOBAL_BATCH // data_ranks, shuffle=True)
@@ -174,12 +177,12 @@ def test_every_layout_survives_the_whole_run(name, tmp_path):
     assert sw.latest_checkpoint(run) == run / f"step_{STEPS:08d}"
     assert (run / f".tmp.step_{STEPS + 1:08d}").is_dir()
     # (d) the export is the trained model, as Transformers loads it
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    exported = LlamaForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     assert equal({k: exported[k] for k in final}, final)
     # (b) one process: the saved weights exactly, and the rest of the run within the bound
-    one = build()
+    one = build(model=layout.model)
     if not first[0]["background"]:  # an engine's own per-rank format: refused by name
         with pytest.raises(CheckpointError, match="written by the deepspeed engine, this "
                                                   "bundle runs the torch engine"):

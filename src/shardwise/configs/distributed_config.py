@@ -13,7 +13,8 @@ that dimension, so the model is loaded whole and shardwise cuts, splits and shar
   ``mixed_precision("bf16")`` (Transformers' policy: bf16 parameters, fp32 reduction), both
   only with FSDP (``fsdp_size`` or ``dp_replicate_size`` > 1), as Transformers reads them.
 
-Refused by name: expert parallelism (``ep_size`` > 1, ``ep_plan``, ``enable_expert_parallel``),
+Refused by name: expert parallelism (``ep_size`` > 1, ``ep_plan``, ``enable_expert_parallel``;
+Transformers runs it inside its FSDP ranks, which ``expert_parallel`` is not combined with yet),
 ``enable_sequence_parallel`` (not wired up in Transformers either), a ``tp_plan`` or
 ``fsdp_plan`` dict (Transformers merges it into the model's plan, which a config read before
 the model cannot; pass ``tensor_parallel(plan=...)`` / ``shard(policy=...)`` in code), sizes
@@ -59,14 +60,18 @@ def _refuse_unsupported(src: Source) -> None:
     ep = _size(src, "ep_size")
     if ep > 1 or src.boolean("enable_expert_parallel", data.get("enable_expert_parallel", False)):
         key = "ep_size" if ep > 1 else "enable_expert_parallel"
-        raise ConfigError.at(src.origin, f"{key}={data[key]!r}: expert parallelism is not "
-                             "available in shardwise; leave it out (ep_size=1)")
+        raise ConfigError.at(src.origin, f"{key}={data[key]!r}: Transformers runs expert "
+                             "parallelism inside its FSDP ranks, which sw.expert_parallel() is "
+                             "not combined with yet; leave it out (ep_size=1) and pass "
+                             "sw.expert_parallel() in code (the other weights replicated)")
     if data.get("ep_plan") is not None:
-        raise ConfigError.at(src.origin, "ep_plan is set: expert parallelism is not available "
-                             "in shardwise; leave it out (None)")
+        raise ConfigError.at(src.origin, "ep_plan is set: expert parallelism is not read from a "
+                             "DistributedConfig yet; leave it out (None) and pass "
+                             "sw.expert_parallel() in code")
     if data.get("ep_implementation", "auto") != "auto":
         raise src.fail("ep_implementation", data["ep_implementation"],
-                       "'auto' (no expert parallelism)")
+                       "'auto' (expert parallelism is not read from a DistributedConfig yet: "
+                       "sw.expert_parallel() in code dispatches by all-to-all)")
     if src.boolean("enable_sequence_parallel", data.get("enable_sequence_parallel", False)):
         raise ConfigError.at(src.origin, "enable_sequence_parallel=True: Transformers reserves it "
                              "(not wired up); for long sequences use sw.context_parallel(size=...)")

@@ -15,6 +15,7 @@ from shardwise.transforms.clipping import ClipGradients, clip_gradients
 from shardwise.transforms.compile_blocks import Compile, compile
 from shardwise.transforms.context_parallelism import ContextParallel, context_parallel
 from shardwise.transforms.data_distribution import DistributeData, distribute_data
+from shardwise.transforms.expert_parallelism import ExpertParallel, expert_parallel
 from shardwise.transforms.offloading import Offload, offload
 from shardwise.transforms.optimizer_sharding import ShardOptimizer, shard_optimizer
 from shardwise.transforms.pipeline_parallelism import PipelineParallel, pipeline_parallel
@@ -27,13 +28,13 @@ from shardwise.transforms.tensor_parallelism import TensorParallel, tensor_paral
 
 __all__ = [
     "AccumulateGradients", "CheckpointActivations", "ClipGradients", "Compile", "ContextParallel",
-    "DistributeData",
+    "DistributeData", "ExpertParallel",
     "LocalSGD", "MixedPrecision", "Offload", "PipelineParallel", "Place", "Replicate", "Shard",
     "ShardOptimizer", "Stage",
     "TensorParallel",
     "Transform",
     "accumulate_gradients", "checkpoint_activations", "clip_gradients", "compile", "context_parallel",
-    "distribute_data", "local_sgd",
+    "distribute_data", "expert_parallel", "local_sgd",
     "mixed_precision", "offload", "pipeline_parallel", "place", "replicate", "shard", "shard_optimizer",
     "tensor_parallel",
 ]

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import attrs
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise._params import param_names, rebind_optimizer, refuse_state
+from shardwise._params import is_dtensor, param_names, rebind_optimizer, refuse_state
 from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.engines import DDPEngine, Engine, LocalEngine
@@ -76,6 +76,10 @@ class Replicate(Distribution):
         if is_rank0_weights(model) and not env.is_main:
             model.to_empty(device=env.device)  # DDP broadcasts rank 0's weights and buffers
         model.to(env.device)  # DDP is built on a module that is already on its device
+        # expert stacks expert_parallel split (DTensors): their gradients are the dispatch's
+        split = [name for name, param in model.named_parameters() if is_dtensor(param)]
+        if split:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, split)
         buffers: dict[str, Any] = {_BUFFERS_ARG: self.broadcast_buffers}
         wrapped = DistributedDataParallel(
             model,

@@ -1,0 +1,131 @@
+# Expert parallelism: each rank holds a slice of every expert stack; tokens travel by all-to-all.
+"""The experts module of a mixture of experts split over the ranks of an ``ep`` group.
+
+An experts module (Transformers 5's ``*Experts``: ``forward(hidden_states, top_k_index,
+top_k_weights)``, weights stacked with the expert first, ``gate_up_proj`` ``[E, 2I, H]``,
+``down_proj`` ``[E, H, I]``, biases ``[E, ...]``) keeps ``E / ep`` experts on each rank,
+its stacks DTensors sharded on dim 0 over the group (so checkpoints and exports keep the
+model's names and whole shapes). Its forward becomes: each (token, choice) pair is sent to
+the rank of its expert (``all_to_all_single``, uneven counts, autograd through it), the
+module's own forward runs on the received rows against the local stacks (each row one
+expert, weight 1: the model's own expert math, whichever implementation it selects), the
+results come back by the reverse all-to-all and are weighed by the router's weights and
+summed per token, as the module does.
+
+Gradients: a rank's experts see every rank's tokens, so their gradient sums the ``ep``
+ranks' losses where data parallelism averages; the local stacks scale it by ``1 / ep`` on
+the way back, so it equals the global batch's mean as the other weights' averaged one does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["ExpertSplit", "split_experts", "expert_stacks", "expert_count"]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient scaled by ``factor`` on the way back."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class _LocalExperts:
+    """The experts module seen with this rank's stacks and expert count: what its own
+    forward reads (every other attribute is the module's)."""
+
+    def __init__(self, module: nn.Module, stacks: dict[str, torch.Tensor], count: int) -> None:
+        self.__dict__.update(stacks)
+        self.__dict__["num_experts"] = count
+        self.__dict__["_module"] = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_module"], name)
+
+
+def expert_count(module: nn.Module) -> int:
+    """The ``num_experts`` an experts module declares."""
+    return int(getattr(module, "num_experts"))  # noqa: B009 (an attribute of the module's class)
+
+
+def expert_stacks(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters of an experts module, each a stack over its ``num_experts`` experts.
+
+    Raises:
+        ValueError: a parameter whose first dimension is not the expert count (named).
+    """
+    count = expert_count(module)
+    stacks = dict(module.named_parameters(recurse=False))
+    odd = [f"{name} {tuple(p.shape)}" for name, p in module.named_parameters()
+           if "." in name or p.dim() == 0 or p.shape[0] != count]
+    if odd:
+        raise ValueError(f"{type(module).__name__} holds parameters that are not stacks of its "
+                         f"{count} experts: {', '.join(odd)}")
+    return stacks
+
+
+class ExpertSplit:
+    """The ``ep`` group of one experts module and its dispatch."""
+
+    def __init__(self, module: nn.Module, group: Any, rank: int, size: int) -> None:
+        self.module, self.group, self.rank, self.size = module, group, rank, size
+        self.count = expert_count(module)
+        self.local_count = self.count // size
+        self.forward = type(module).forward
+
+    def _local(self) -> _LocalExperts:
+        stacks = {name: _ScaleGrad.apply(param.to_local(), 1.0 / self.size)  # type: ignore[attr-defined]
+                  for name, param in self.module.named_parameters(recurse=False)}
+        return _LocalExperts(self.module, stacks, self.local_count)
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_to_all_single
+
+        tokens, width = hidden_states.shape
+        choices = top_k_index.shape[-1]
+        experts = top_k_index.reshape(-1)
+        order = torch.argsort(experts, stable=True)  # grouped by expert, so by rank
+        token_of = torch.div(order, choices, rounding_mode="floor")
+        ranks = torch.div(experts[order], self.local_count, rounding_mode="floor")
+        send = torch.bincount(ranks, minlength=self.size)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send, group=self.group)
+        sent, received = send.tolist(), receive.tolist()
+        rows = all_to_all_single(hidden_states.new_empty(sum(received), width),
+                                 hidden_states[token_of], received, sent, group=self.group)
+        local = (experts[order] - ranks * self.local_count).to(top_k_index.dtype)
+        local_in = local.new_empty(sum(received))
+        dist.all_to_all_single(local_in, local, received, sent, group=self.group)
+        ones = torch.ones(sum(received), 1, dtype=top_k_weights.dtype, device=rows.device)
+        done = self.forward(self._local(), rows, local_in[:, None], ones)
+        back = all_to_all_single(hidden_states.new_empty(tokens * choices, width), done,
+                                 sent, received, group=self.group)
+        weights = top_k_weights.reshape(-1)[order, None]
+        weighed = (back * weights).to(hidden_states.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, token_of, weighed)
+
+
+def split_experts(module: nn.Module, mesh: Any) -> ExpertSplit:
+    """Split ``module``'s expert stacks over the 1-D ``mesh`` (each rank its ``E / ep``
+    experts, scattered from rank 0's copy) and route its forward through the dispatch."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    size, rank = int(mesh.size()), int(mesh.get_local_rank())
+    split = ExpertSplit(module, mesh.get_group(), rank, size)
+    for name, param in expert_stacks(module).items():
+        sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
+        setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    module.forward = split
+    return split

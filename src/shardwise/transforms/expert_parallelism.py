@@ -1,0 +1,196 @@
+# expert_parallel(): each rank holds 1/ep of every expert stack; tokens go to their experts by all-to-all.
+"""Expert parallelism for mixture-of-experts models."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar
+
+import attrs
+from torch import nn
+
+from shardwise._params import is_dtensor, param_names, rebind_optimizer, refuse_state
+from shardwise._text import short
+from shardwise.bundle import Bundle
+from shardwise.distributed import ensure_process_group
+from shardwise.env import Env
+from shardwise.errors import ArgumentError, ConflictError
+from shardwise.meta_init import is_rank0_weights
+from shardwise.parallel.moe_dispatch import expert_count, expert_stacks, split_experts
+from shardwise.transforms.base import Stage, Transform
+
+__all__ = ["ExpertParallel", "expert_parallel", "experts_modules"]
+
+#: the arguments of an experts module's forward (Transformers 5's experts interface; GPT-OSS
+#: names them its own way)
+_ARGUMENTS = (("hidden_states", "top_k_index", "top_k_weights"),
+              ("hidden_states", "router_indices", "routing_weights"))
+
+
+def _size(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 1 <= value <= 2**16):
+        raise ArgumentError(f"expert_parallel() 'size' must be None (every data rank) or an "
+                            f"integer in [1, 65536] (got {short(value)})")
+
+
+def _experts(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, (str, type)):
+        raise ArgumentError(f"expert_parallel() 'experts' must be None (found from the model), "
+                            f"a module class or its name (got {short(value)})")
+
+
+def _takes_routing(module: nn.Module) -> bool:
+    try:
+        names = tuple(inspect.signature(type(module).forward).parameters)[1:4]
+    except (TypeError, ValueError):
+        return False
+    return names in _ARGUMENTS
+
+
+def experts_modules(model: nn.Module, declared: str | type | None = None) -> list[tuple[str, nn.Module]]:
+    """The experts modules of ``model``: of the ``declared`` class (or class name), else
+    every module with an integer ``num_experts`` whose forward takes ``(hidden_states,
+    top_k_index, top_k_weights)`` (Transformers 5's experts: Qwen3-MoE, Mixtral,
+    DeepSeek-V3, ...) or ``(hidden_states, router_indices, routing_weights)`` (GPT-OSS)."""
+    found = []
+    for name, module in model.named_modules():
+        if declared is not None:
+            kind = type(module)
+            if kind is declared or kind.__name__ == declared:
+                found.append((name, module))
+        elif isinstance(getattr(module, "num_experts", None), int) and _takes_routing(module):
+            found.append((name, module))
+    return found
+
+
+@attrs.frozen(repr=False)
+class ExpertParallel(Transform):
+    """Split every experts module of a mixture of experts over the ranks: each holds
+    ``E / size`` of the experts of every layer, and tokens travel to their experts' ranks
+    and back by all-to-all.
+
+    The ranks read different batches, as data-parallel ranks do; the other weights are
+    replicated (``replicate()``, the default beside it). Each (token, choice) pair the
+    model's router picks is sent to the rank holding that expert (``all_to_all_single``,
+    uneven counts, autograd through it); the module's own forward runs there on the
+    received rows against the local experts; the results return by the reverse all-to-all
+    and are weighed and summed per token as the module does. The expert stacks are DTensors
+    sharded on the expert dimension, so checkpoints, exports and ``full_state`` keep the
+    model's names and whole shapes. Parameters equal one process's on the global batch.
+
+    A Transformers 5 MoE model (its ``*Experts`` modules) is found as it is; a model of
+    one's own declares its experts class: its ``forward(hidden_states, top_k_index,
+    top_k_weights)`` on ``[tokens, hidden]`` rows with ``num_experts`` and weights stacked
+    with the expert first. In one process (or ``size=1``) it is a no-op.
+
+    Args:
+        size: ranks the experts are split over; default every data rank (the only size
+            built yet: replicas of the experts across groups are not).
+        experts: the experts module class (or its name) of a model of one's own.
+
+    Raises:
+        ConflictError: no experts module, an expert count the size does not divide, a size
+            other than the data ranks.
+
+    Example:
+        >>> pipe = sw.pipeline(sw.expert_parallel())  # Qwen3-MoE on 2 ranks: 4 experts each
+    """
+
+    size: int | None = attrs.field(default=None, validator=_size)
+    experts: str | type | None = attrs.field(default=None, kw_only=True, validator=_experts)
+    stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
+    factory_name: ClassVar[str] = "expert_parallel"
+    distributes: ClassVar[bool] = True
+    #: the expert stacks are DTensors beside plain tensors: one foreach or fused kernel
+    #: call cannot take both, so each tensor is updated on its own (the same arithmetic)
+    keeps_optimizer: ClassVar[str | None] = "distributed"
+
+    def excludes(self) -> dict[str, str]:
+        why = "is not combined with expert_parallel yet (the experts' own mesh beside " \
+              "it is not built); use replicate() for the other weights"
+        return {name: f"{name}() {why}" for name in
+                ("shard", "tensor_parallel", "pipeline_parallel", "context_parallel",
+                 "local_sgd", "shard_optimizer", "deepspeed")}
+
+    def ep_size(self, env: Env) -> int:
+        """Ranks the experts are split over under ``env``."""
+        return self.size if self.size is not None else env.world_size
+
+    def __call__(self, bundle: Bundle) -> Bundle:
+        bundle = self._record(bundle)
+        env, model = bundle.env, bundle.model
+        size = self.ep_size(env)
+        if not env.is_distributed or size == 1:
+            return bundle
+        if size != env.world_size:
+            raise ConflictError(f"{self!r}: {size} ranks per expert group of {env.world_size}: "
+                                "experts replicated across groups are not built yet; leave "
+                                f"size=None (every rank, {env.world_size})")
+        if is_rank0_weights(model):
+            raise ConflictError(f"{self!r}: a model built by sw.init_on_meta(factory) holds its "
+                                "weights on rank 0 only; build it normally or with "
+                                "init_on_meta(factory, weights=path)")
+        found = experts_modules(model, self.experts)
+        if not found:
+            wanted = f"no module of class {self.experts!r}" if self.experts is not None else (
+                "no experts module (one with num_experts whose forward takes hidden_states, "
+                "top_k_index, top_k_weights)")
+            raise ConflictError(f"{self!r}: {type(model).__name__} has {wanted}; declare a "
+                                "model's own with expert_parallel(experts=MyExperts)")
+        for name, module in found:
+            count = expert_count(module)
+            if count % size:
+                raise ConflictError(f"{self!r}: {name} holds {count} experts, which {size} "
+                                    "ranks do not divide; pick a size that divides it")
+            try:
+                expert_stacks(module)
+            except ValueError as exc:
+                raise ConflictError(f"{self!r}: {name}: {exc}") from exc
+        refuse_state(bundle.optimizer)
+        ensure_process_group(env)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(env.device.type, (size,), mesh_dim_names=("ep",))
+        names = param_names(model)
+        model.to(env.device)
+        for _, module in found:
+            split_experts(module, mesh)
+        rebind_optimizer(bundle.optimizer, names, model)
+        self._per_tensor(bundle.optimizer)
+        return bundle
+
+    def _per_tensor(self, optimizer: Any) -> None:
+        """Have each param group that mixes expert stacks (DTensors) and plain tensors
+        update them one at a time (``foreach=False``; torch's multi-tensor kernels take one
+        kind per call).
+
+        Raises:
+            ConflictError: such a group whose ``foreach`` or ``fused`` the user set to True.
+        """
+        for index, group in enumerate(getattr(optimizer, "param_groups", [])):
+            kinds = {is_dtensor(p) for p in group["params"]}
+            if kinds != {True, False}:
+                continue
+            chosen = [k for k in ("foreach", "fused") if group.get(k)]
+            if chosen:
+                raise ConflictError(f"{self!r}: param group {index} of "
+                                    f"{type(optimizer).__name__} sets {chosen[0]}=True, whose "
+                                    "kernel cannot take the expert stacks (DTensors) beside "
+                                    "plain tensors; leave it unset")
+            if "foreach" in group:
+                group["foreach"] = False
+
+    def describe(self, env: Env) -> str:
+        size = self.ep_size(env)
+        if not env.is_distributed or size == 1:
+            return "one rank: every expert whole"
+        return (f"experts split over {size} ranks (1/{size} of every expert stack each, "
+                "DTensors sharded on the expert dimension); each token's choices sent to their "
+                "experts' ranks and back by all-to-all (uneven counts); the ranks read "
+                f"different batches; expert gradients scaled by 1/{size} (their ranks sum "
+                "every rank's tokens)")
+
+
+#: the public factory: the class itself, so its defaults are written once
+expert_parallel = ExpertParallel

@@ -1,0 +1,101 @@
+# expert_parallel(): experts split over 2 gloo ranks, tokens by all-to-all, equal to one process.
+import os
+
+import pytest
+import torch
+from _moe import moe, token_batches
+from safetensors.torch import load_file
+
+import shardwise as sw
+from shardwise.testing import full_state, run_distributed
+
+pytest.importorskip("transformers")
+
+
+def trained(kind, parts, steps, optimizer="sgd", root=None, resume=None):
+    """``kind`` under ``parts`` after ``steps`` of :func:`token_batches` on the global batch
+    of 4 rows (each rank its rows), from ``resume`` if given; saved and exported to
+    ``root`` if given: the whole weights (and the experts each rank holds)."""
+    model = moe(kind)
+    env = sw.detect()
+    made = torch.optim.SGD(model.parameters(), lr=0.5) if optimizer == "sgd" else \
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+    bundle = sw.pipeline(env, *parts)(model, made)
+    state = sw.load(resume, bundle) if resume is not None else bundle.init()
+    share = 4 // env.world_size
+    for ids in token_batches()[state.step:steps]:
+        mine = ids[env.rank * share:(env.rank + 1) * share]
+        state, _ = bundle.step(state, {"input_ids": mine, "labels": mine})
+    if root is not None:
+        sw.save(root, bundle, state)
+        sw.export(os.path.join(root, "hf"), bundle)
+    held = {name: p.to_local().shape[0] for name, p in bundle.engine.unwrap(
+        bundle.model).named_parameters() if hasattr(p, "to_local")}
+    return full_state(bundle.model), held
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mixtral", "gptoss", "own"])
+def test_experts_split_over_two_ranks_train_as_one_process(kind):
+    """Three steps of SGD in fp32 on the global batch: each rank holds half of every
+    expert stack, and the weights equal one process's within 1e-5."""
+    parts = [sw.expert_parallel(experts="OwnExperts" if kind == "own" else None)]
+    one, _ = trained(kind, [], 3)
+    ranks = run_distributed(trained, kind, parts, 3, world_size=2, timeout=120)
+    base = moe(kind).state_dict()
+    assert max((base[k] - one[k]).abs().max().item() for k in one) > 1e-2  # it trained
+    for weights, held in ranks:
+        assert held and all(count * 2 == one[name].shape[0] for name, count in held.items())
+        assert weights.keys() == one.keys()
+        gap = max((weights[k] - one[k]).abs().max().item() for k in one)
+        assert gap < 1e-5, gap
+
+
+def test_an_expert_parallel_checkpoint_resumes_at_any_size_and_exports_whole(tmp_path):
+    """AdamW, 2 steps on 2 ranks, saved: the export's experts are whole and equal to the
+    trained ones; resumed on 2 ranks and in one process, the third step lands where an
+    uninterrupted run's does (the same run on 2 ranks exactly, one process within 1e-5)."""
+    parts = [sw.expert_parallel()]
+    root = str(tmp_path / "ep")
+    (saved, _), _ = run_distributed(trained, "qwen3", parts, 2, "adamw", root, world_size=2,
+                                    timeout=120)
+    step = sorted(p for p in os.listdir(root) if p.startswith("step_"))[-1]
+    exported = load_file(tmp_path / "ep" / "hf" / "model.safetensors")
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], v) for k, v in saved.items())
+    straight = run_distributed(trained, "qwen3", parts, 3, "adamw", world_size=2, timeout=120)
+    again = run_distributed(trained, "qwen3", parts, 3, "adamw", None,
+                            os.path.join(root, step), world_size=2, timeout=120)
+    for (weights, _), (uninterrupted, _) in zip(again, straight, strict=True):
+        assert all(torch.equal(weights[k], uninterrupted[k]) for k in weights)
+    one, _ = trained("qwen3", [], 3, "adamw")
+    alone, _ = trained("qwen3", [], 3, "adamw", None, os.path.join(root, step))
+    assert max((alone[k] - one[k]).abs().max().item() for k in one) < 1e-5
+
+
+def clipped(parts):
+    """Qwen3-MoE, SGD, gradients clipped to 0.05 (every step clips), two micro-batches
+    per step: the weights and each step's norm before clipping."""
+    model = moe("qwen3")
+    env = sw.detect()
+    parts = [*parts, sw.clip_gradients(0.05), sw.accumulate_gradients(2)]
+    bundle = sw.pipeline(env, *parts)(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    state, norms = bundle.init(), []
+    share = 4 // env.world_size
+    for ids in token_batches(4):
+        mine = ids[env.rank * share:(env.rank + 1) * share]
+        for half in (mine[:share // 2], mine[share // 2:]):
+            state, out = bundle.step(state, {"input_ids": half, "labels": half})
+            if out.grad_norm is not None:
+                norms.append(float(out.grad_norm))
+    return full_state(bundle.model), norms
+
+
+def test_clipping_and_accumulation_see_the_whole_gradient():
+    """The norm is taken over the expert stacks' shards and the replicated weights together
+    (torch's clip_grad_norm_ cannot stack both kinds) and equals one process's; so do the
+    weights after accumulated, clipped steps."""
+    one, norms = clipped([])
+    for weights, split_norms in run_distributed(clipped, [sw.expert_parallel()], world_size=2,
+                                                timeout=120):
+        assert split_norms == pytest.approx(norms, rel=1e-5) and len(norms) == 4
+        assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5

@@ -99,3 +99,25 @@ def test_clipping_and_accumulation_see_the_whole_gradient():
                                                 timeout=120):
         assert split_norms == pytest.approx(norms, rel=1e-5) and len(norms) == 4
         assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5
+
+
+def test_beside_shard_the_other_weights_are_sharded_and_a_checkpoint_resumes_alone(tmp_path):
+    """expert_parallel() x shard(): FSDP2 shards every weight but the expert stacks (the
+    dispatch's), SGD steps equal one process within 1e-5; a checkpoint saved there resumes
+    in one process and its export holds the experts whole."""
+    parts = [sw.expert_parallel(), sw.shard()]
+    one, _ = trained("qwen3", [], 3)
+    ranks = run_distributed(trained, "qwen3", parts, 3, world_size=2, timeout=120)
+    for weights, held in ranks:
+        assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5
+        experts = {n: c for n, c in held.items() if ".experts." in n}
+        assert experts and all(count == 4 for count in experts.values())  # 8 experts, 2 ranks
+        assert held["model.embed_tokens.weight"] == 32  # FSDP2's half of 64 rows
+    root = str(tmp_path / "ep")
+    (saved, _), _ = run_distributed(trained, "qwen3", parts, 2, "sgd", root, world_size=2,
+                                    timeout=120)
+    step = sorted(p for p in os.listdir(root) if p.startswith("step_"))[-1]
+    exported = load_file(tmp_path / "ep" / "hf" / "model.safetensors")
+    assert all(torch.equal(exported[k], v) for k, v in saved.items())
+    alone, _ = trained("qwen3", [], 3, "sgd", None, os.path.join(root, step))
+    assert max((alone[k] - one[k]).abs().max().item() for k in one) < 1e-5

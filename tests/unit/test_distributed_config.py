@@ -53,6 +53,10 @@ def test_pipeline_and_tensor_sizes_alone_and_hsdp():
     assert configured(offloaded) == sorted([sw.shard(), sw.offload()], key=lambda t: t.stage)
     with pytest.raises(ConfigError, match="offload.. is not combined with pipeline_parallel"):
         sw.from_config({"pp_size": 2, "fsdp_size": 4, "fsdp_cpu_offload": True}, env=EIGHT)
+    # Transformers' expert parallelism inside its FSDP ranks
+    experts = sw.from_config(DistributedConfig(fsdp_size=8, ep_size=8,
+                                               ep_implementation="all_to_all"), env=EIGHT)
+    assert configured(experts) == [sw.expert_parallel(), sw.shard()]
     # tp_size left to Transformers' rule: the ranks the other sizes leave, when a plan is set
     assert configured(sw.from_config({"pp_size": 2, "tp_plan": "auto"}, env=four)) == [
         sw.pipeline_parallel(size=2), sw.tensor_parallel(size=2)]
@@ -62,9 +66,11 @@ def test_pipeline_and_tensor_sizes_alone_and_hsdp():
     ({"pp_size": 3}, r"pp_size=3 x fsdp_size=1 x dp_replicate_size=1 x tp_size=1 = 3 ranks, "
                      r"but this run has 8"),
     ({"pp_size": 0}, r"pp_size=0 is not accepted; accepted: an integer >= 1"),
-    ({"pp_size": 2, "fsdp_size": 4, "ep_size": 2}, r"ep_size=2: Transformers runs expert "
-                                                     r"parallelism inside its FSDP ranks.*"
-                                                     r"sw.expert_parallel\(\) in code"),
+    ({"pp_size": 2, "fsdp_size": 4, "ep_size": 2}, r"ep_size=2 beside pp_size=2.*other "
+                                                     r"layouts are not built yet"),
+    ({"fsdp_size": 8, "ep_size": 8, "ep_implementation": "all_reduce"},
+     r"ep_implementation='all_reduce' is not accepted; accepted: 'auto' or 'all_to_all'"),
+    ({"fsdp_size": 8, "ep_size": 8, "ep_plan": {"x": "grouped_gemm"}}, r"ep_plan is set"),
     ({"pp_size": 8, "enable_sequence_parallel": True}, r"enable_sequence_parallel=True"),
     ({"pp_size": 8, "tp_plan": {"model.layers.*.mlp": "colwise"}},
      r"tp_plan=.*Transformers merges it into the model's own plan"),

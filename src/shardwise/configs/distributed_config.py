@@ -12,9 +12,12 @@ that dimension, so the model is loaded whole and shardwise cuts, splits and shar
 - ``fsdp_cpu_offload: true``: ``offload()``; ``fsdp_mixed_precision: true``:
   ``mixed_precision("bf16")`` (Transformers' policy: bf16 parameters, fp32 reduction), both
   only with FSDP (``fsdp_size`` or ``dp_replicate_size`` > 1), as Transformers reads them.
+- ``ep_size`` (Transformers runs it inside its FSDP ranks): ``expert_parallel()`` beside the
+  ``shard()`` of ``fsdp_size``, when both are the world size (``ep_implementation``
+  ``"auto"`` or ``"all_to_all"``).
 
-Refused by name: expert parallelism (``ep_size`` > 1, ``ep_plan``, ``enable_expert_parallel``;
-Transformers runs it inside its FSDP ranks, which ``expert_parallel`` is not combined with yet),
+Refused by name: other expert-parallel layouts, ``ep_plan``, ``ep_implementation``
+``"all_reduce"`` and the rest,
 ``enable_sequence_parallel`` (not wired up in Transformers either), a ``tp_plan`` or
 ``fsdp_plan`` dict (Transformers merges it into the model's plan, which a config read before
 the model cannot; pass ``tensor_parallel(plan=...)`` / ``shard(policy=...)`` in code), sizes
@@ -58,20 +61,17 @@ def _size(src: Source, key: str) -> int:
 def _refuse_unsupported(src: Source) -> None:
     data = src.data
     ep = _size(src, "ep_size")
-    if ep > 1 or src.boolean("enable_expert_parallel", data.get("enable_expert_parallel", False)):
-        key = "ep_size" if ep > 1 else "enable_expert_parallel"
-        raise ConfigError.at(src.origin, f"{key}={data[key]!r}: Transformers runs expert "
-                             "parallelism inside its FSDP ranks, which sw.expert_parallel() is "
-                             "not combined with yet; leave it out (ep_size=1) and pass "
-                             "sw.expert_parallel() in code (the other weights replicated)")
+    if ep == 1 and src.boolean("enable_expert_parallel", data.get("enable_expert_parallel", False)):
+        raise ConfigError.at(src.origin, "enable_expert_parallel=True without ep_size: set "
+                             "ep_size to the ranks the experts are split over (every rank)")
     if data.get("ep_plan") is not None:
-        raise ConfigError.at(src.origin, "ep_plan is set: expert parallelism is not read from a "
-                             "DistributedConfig yet; leave it out (None) and pass "
-                             "sw.expert_parallel() in code")
-    if data.get("ep_implementation", "auto") != "auto":
+        raise ConfigError.at(src.origin, "ep_plan is set: shardwise finds the experts modules "
+                             "itself (Transformers 5's *Experts); leave it out (None), or pass "
+                             "sw.expert_parallel(experts=...) in code")
+    if data.get("ep_implementation", "auto") not in ("auto", "all_to_all"):
         raise src.fail("ep_implementation", data["ep_implementation"],
-                       "'auto' (expert parallelism is not read from a DistributedConfig yet: "
-                       "sw.expert_parallel() in code dispatches by all-to-all)")
+                       "'auto' or 'all_to_all' (sw.expert_parallel dispatches tokens by "
+                       "all-to-all)")
     if src.boolean("enable_sequence_parallel", data.get("enable_sequence_parallel", False)):
         raise ConfigError.at(src.origin, "enable_sequence_parallel=True: Transformers reserves it "
                              "(not wired up); for long sequences use sw.context_parallel(size=...)")
@@ -120,6 +120,17 @@ def distributed_config_transforms(src: Source, env: Env) -> list[Transform]:
                              f"across nodes and shards within one (HSDP), and this run has "
                              f"{env.num_nodes} node(s); set it to the number of nodes")
     out: list[Transform] = []
+    ep = _size(src, "ep_size")
+    if ep > 1 and env.is_distributed:
+        if (pp, tp, replicas) != (1, 1, 1) or ep != fsdp:
+            raise ConfigError.at(src.origin, f"ep_size={ep} beside pp_size={pp}, tp_size={tp}, "
+                                 f"dp_replicate_size={replicas}, fsdp_size={fsdp}: "
+                                 "sw.expert_parallel splits the experts over every FSDP rank "
+                                 "(ep_size = fsdp_size = the world size, the other sizes 1); "
+                                 "other layouts are not built yet")
+        from shardwise.transforms.expert_parallelism import expert_parallel
+
+        out.append(expert_parallel())
     if pp > 1:
         out.append(pipeline_parallel(size=pp))
     if tp > 1:

@@ -267,9 +267,11 @@ class StepHooks:
 
     def clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip the gradients of ``params`` to a total norm of ``max_norm``; return the norm
-        before clipping, whole on every rank. DTensors beside plain tensors (expert stacks
-        ``expert_parallel`` split) take the norm across meshes (torch's stacks one kind)."""
-        if len({is_dtensor(p) for p in params}) > 1:
+        before clipping, whole on every rank. DTensors beside plain tensors or on several
+        meshes (expert stacks ``expert_parallel`` split) take the norm across meshes (torch's
+        stacks one kind on one mesh)."""
+        meshes = {id(p.device_mesh) if is_dtensor(p) else None for p in params}  # type: ignore[attr-defined]
+        if len(meshes) > 1:
             return clip_across_meshes(params, max_norm, norm_type)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         return self.full(norm)

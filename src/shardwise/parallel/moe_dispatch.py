@@ -25,7 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ExpertSplit", "split_experts", "expert_stacks", "expert_count"]
+__all__ = ["ExpertSplit", "split_experts", "expert_stacks", "expert_count", "is_expert_stack"]
+
+#: the mark a split expert stack carries (FSDP2 leaves it to the dispatch)
+_MARK = "_shardwise_expert_stack"
+
+
+def is_expert_stack(param: torch.Tensor) -> bool:
+    """Whether ``param`` is an expert stack :func:`split_experts` split."""
+    return bool(getattr(param, _MARK, False))
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -84,9 +92,13 @@ class ExpertSplit:
         self.local_count = self.count // size
         self.forward = type(module).forward
 
-    def _local(self) -> _LocalExperts:
+    def _local(self, dtype: torch.dtype) -> _LocalExperts:
+        """The local stacks, in the activations' dtype (FSDP2's parameter cast under
+        ``mixed_precision``; the gradient returns in the stacks' own), their gradient scaled."""
         stacks = {name: _ScaleGrad.apply(param.to_local(), 1.0 / self.size)  # type: ignore[attr-defined]
                   for name, param in self.module.named_parameters(recurse=False)}
+        stacks = {name: stack.to(dtype) if stack.is_floating_point() else stack
+                  for name, stack in stacks.items()}
         return _LocalExperts(self.module, stacks, self.local_count)
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -109,7 +121,7 @@ class ExpertSplit:
         local_in = local.new_empty(sum(received))
         dist.all_to_all_single(local_in, local, received, sent, group=self.group)
         ones = torch.ones(sum(received), 1, dtype=top_k_weights.dtype, device=rows.device)
-        done = self.forward(self._local(), rows, local_in[:, None], ones)
+        done = self.forward(self._local(rows.dtype), rows, local_in[:, None], ones)
         back = all_to_all_single(hidden_states.new_empty(tokens * choices, width), done,
                                  sent, received, group=self.group)
         weights = top_k_weights.reshape(-1)[order, None]
@@ -126,6 +138,8 @@ def split_experts(module: nn.Module, mesh: Any) -> ExpertSplit:
     split = ExpertSplit(module, mesh.get_group(), rank, size)
     for name, param in expert_stacks(module).items():
         sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
-        setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        stack = nn.Parameter(sharded, requires_grad=param.requires_grad)
+        setattr(stack, _MARK, True)
+        setattr(module, name, stack)
     module.forward = split
     return split

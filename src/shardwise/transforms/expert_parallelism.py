@@ -9,14 +9,19 @@ from typing import Any, ClassVar
 import attrs
 from torch import nn
 
-from shardwise._params import is_dtensor, param_names, rebind_optimizer, refuse_state
+from shardwise._params import param_names, rebind_optimizer, refuse_state
 from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
 from shardwise.meta_init import is_rank0_weights
-from shardwise.parallel.moe_dispatch import expert_count, expert_stacks, split_experts
+from shardwise.parallel.moe_dispatch import (
+    expert_count,
+    expert_stacks,
+    is_expert_stack,
+    split_experts,
+)
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["ExpertParallel", "expert_parallel", "experts_modules"]
@@ -71,7 +76,8 @@ class ExpertParallel(Transform):
     and back by all-to-all.
 
     The ranks read different batches, as data-parallel ranks do; the other weights are
-    replicated (``replicate()``, the default beside it). Each (token, choice) pair the
+    replicated (``replicate()``, the default beside it) or sharded by FSDP2 (``shard()``,
+    which leaves the expert stacks to the dispatch). Each (token, choice) pair the
     model's router picks is sent to the rank holding that expert (``all_to_all_single``,
     uneven counts, autograd through it); the module's own forward runs there on the
     received rows against the local experts; the results return by the reverse all-to-all
@@ -108,9 +114,9 @@ class ExpertParallel(Transform):
 
     def excludes(self) -> dict[str, str]:
         why = "is not combined with expert_parallel yet (the experts' own mesh beside " \
-              "it is not built); use replicate() for the other weights"
+              "it is not built); replicate() or shard() the other weights"
         return {name: f"{name}() {why}" for name in
-                ("shard", "tensor_parallel", "pipeline_parallel", "context_parallel",
+                ("tensor_parallel", "pipeline_parallel", "context_parallel",
                  "local_sgd", "shard_optimizer", "deepspeed")}
 
     def ep_size(self, env: Env) -> int:
@@ -169,7 +175,7 @@ class ExpertParallel(Transform):
             ConflictError: such a group whose ``foreach`` or ``fused`` the user set to True.
         """
         for index, group in enumerate(getattr(optimizer, "param_groups", [])):
-            kinds = {is_dtensor(p) for p in group["params"]}
+            kinds = {is_expert_stack(p) for p in group["params"]}
             if kinds != {True, False}:
                 continue
             chosen = [k for k in ("foreach", "fused") if group.get(k)]

@@ -20,6 +20,7 @@ from shardwise.errors import ArgumentError, ConflictError
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
 from shardwise.parallel.mesh import MeshLayout, data_mesh
 from shardwise.parallel.mesh import build as build_mesh
+from shardwise.parallel.moe_dispatch import is_expert_stack
 from shardwise.plan import Plan
 from shardwise.policies import Policy, select
 from shardwise.transforms._checks import boolean, to_policy
@@ -152,8 +153,11 @@ class Shard(Distribution):
             if from_rank0 and env.is_main else None
         offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
                                   if plan.offload else OffloadPolicy())
+        # expert stacks expert_parallel split: their ranks hold different experts, and
+        # the dispatch gives each its gradient (nothing for FSDP2 to shard or reduce)
+        experts = {p for p in model.parameters() if is_expert_stack(p)}
         options: dict[str, Any] = dict(
-            mesh=self._data_mesh(bundle),
+            mesh=self._data_mesh(bundle), ignored_params=experts or None,
             mp_policy=precision.fsdp_policy(plan.precision), offload_policy=offload)
         for _, block in blocks:  # bottom-up: deepest first, then the root
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)

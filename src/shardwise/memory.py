@@ -21,6 +21,7 @@ from shardwise.policies import Policy, select
 from shardwise.precision import Precision
 from shardwise.transforms.activation_checkpointing import CheckpointActivations
 from shardwise.transforms.base import Distribution, Transform, plan_for
+from shardwise.transforms.expert_parallelism import ExpertParallel
 from shardwise.transforms.optimizer_sharding import ShardOptimizer
 from shardwise.transforms.replication import replicate
 
@@ -317,6 +318,43 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
                           missing if activations is None else "")
 
 
+def _experts_split(model: nn.Module, experts: ExpertParallel, env: Env, engine: Engine,
+                   parts: Any, layout: str, trained: set[int],
+                   optimizer: torch.optim.Optimizer | None, batch: Any,
+                   precision_bytes: int) -> tuple[Any, str]:
+    """``parts`` with each rank holding ``1/ep`` of the expert stacks, and the dispatch's
+    rows in the working bytes: each MoE layer's rows sent and received, kept for backward
+    (every token's choices, in the compute precision; the sample batch's ``input_ids``). An
+    engine that shards every parameter over the same ranks (``shard()`` beside it) counted
+    the stacks split already."""
+    from shardwise.engines.fsdp import FSDPEngine
+    from shardwise.parallel.moe_dispatch import expert_stacks
+    from shardwise.transforms.expert_parallelism import experts_modules
+
+    size = experts.ep_size(env)
+    found = experts_modules(model, experts.experts)
+    stacks = [p for _, module in found for p in expert_stacks(module).values()]
+    if not isinstance(engine, FSDPEngine):
+        gone = sum(p.numel() for p in stacks) * (1 - 1 / size)
+        trained_gone = sum(p.numel() for p in stacks if id(p) in trained) * (1 - 1 / size)
+        per_element, _ = _optimizer_layout(optimizer)
+        parts = attrs.evolve(parts, params_bytes=int(parts.params_bytes - gone * 4),
+                             grads_bytes=int(parts.grads_bytes - trained_gone * 4),
+                             optimizer_bytes=int(parts.optimizer_bytes - trained_gone * per_element))
+    config = getattr(model, "config", None)
+    choices = getattr(config, "num_experts_per_tok", None)
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    dispatch = 0
+    if isinstance(choices, int) and isinstance(ids, torch.Tensor) and found:
+        width = int(getattr(config, "hidden_size", 0))
+        dispatch = len(found) * 2 * ids.numel() * choices * width * precision_bytes
+    layout += f" + experts split over {size} ranks (1/{size} of every expert stack each)"
+    if dispatch:
+        parts = attrs.evolve(parts, working_bytes=parts.working_bytes + dispatch)
+        layout += f" + the dispatch's rows ({dispatch / 2**20:.1f} MiB)"
+    return parts, layout
+
+
 def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transform] | None = None,
                     env: Env | None = None,
                     *, batch: Any = None,
@@ -364,6 +402,10 @@ def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transf
         activations, missing = _activations(model, batch, plan.precision,
                                             ckpt.policy if ckpt is not None else None)
     layout = parts.layout + (" + activation checkpointing" if ckpt is not None else "")
+    experts = next((t for t in transforms if isinstance(t, ExpertParallel)), None)
+    if experts is not None and env.is_distributed and experts.ep_size(env) > 1:
+        parts, layout = _experts_split(model, experts, env, engine, parts, layout, trained,
+                                       optimizer, batch, precisions.dtype(plan.precision).itemsize)
     split = plan.size("cp")
     if split > 1:  # each rank a 1/split slice of every sequence (and, in attention, of the heads)
         layout += f" + context parallel over {split} (activations of the whole batch / {split})"

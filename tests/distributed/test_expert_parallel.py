@@ -1,4 +1,5 @@
 # expert_parallel(): experts split over 2 gloo ranks, tokens by all-to-all, equal to one process.
+import functools
 import os
 
 import pytest
@@ -34,12 +35,18 @@ def trained(kind, parts, steps, optimizer="sgd", root=None, resume=None):
     return full_state(bundle.model), held
 
 
+@functools.cache
+def one_process(kind, steps, optimizer="sgd"):
+    """:func:`trained` in this process, without a layout (computed once per session)."""
+    return trained(kind, [], steps, optimizer)[0]
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "mixtral", "gptoss", "own"])
 def test_experts_split_over_two_ranks_train_as_one_process(kind):
     """Three steps of SGD in fp32 on the global batch: each rank holds half of every
     expert stack, and the weights equal one process's within 1e-5."""
     parts = [sw.expert_parallel(experts="OwnExperts" if kind == "own" else None)]
-    one, _ = trained(kind, [], 3)
+    one = one_process(kind, 3)
     ranks = run_distributed(trained, kind, parts, 3, world_size=2, timeout=120)
     base = moe(kind).state_dict()
     assert max((base[k] - one[k]).abs().max().item() for k in one) > 1e-2  # it trained
@@ -67,7 +74,7 @@ def test_an_expert_parallel_checkpoint_resumes_at_any_size_and_exports_whole(tmp
                             os.path.join(root, step), world_size=2, timeout=120)
     for (weights, _), (uninterrupted, _) in zip(again, straight, strict=True):
         assert all(torch.equal(weights[k], uninterrupted[k]) for k in weights)
-    one, _ = trained("qwen3", [], 3, "adamw")
+    one = one_process("qwen3", 3, "adamw")
     alone, _ = trained("qwen3", [], 3, "adamw", None, os.path.join(root, step))
     assert max((alone[k] - one[k]).abs().max().item() for k in one) < 1e-5
 
@@ -106,7 +113,7 @@ def test_beside_shard_the_other_weights_are_sharded_and_a_checkpoint_resumes_alo
     dispatch's), SGD steps equal one process within 1e-5; a checkpoint saved there resumes
     in one process and its export holds the experts whole."""
     parts = [sw.expert_parallel(), sw.shard()]
-    one, _ = trained("qwen3", [], 3)
+    one = one_process("qwen3", 3)
     ranks = run_distributed(trained, "qwen3", parts, 3, world_size=2, timeout=120)
     for weights, held in ranks:
         assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5
@@ -121,3 +128,15 @@ def test_beside_shard_the_other_weights_are_sharded_and_a_checkpoint_resumes_alo
     assert all(torch.equal(exported[k], v) for k, v in saved.items())
     alone, _ = trained("qwen3", [], 3, "sgd", None, os.path.join(root, step))
     assert max((alone[k] - one[k]).abs().max().item() for k in one) < 1e-5
+
+
+@pytest.mark.parametrize("extra", [sw.checkpoint_activations(), sw.compile()],
+                         ids=["checkpoint_activations", "compile"])
+def test_it_composes_with_checkpointing_and_compile(extra):
+    """Recomputation in backward runs the dispatch again (every rank recomputes the same
+    layers in the same order, so the all-to-alls pair up); compiled blocks call it as
+    Python. Both equal one process within 1e-5."""
+    one = one_process("qwen3", 3)
+    for weights, _ in run_distributed(trained, "qwen3", [sw.expert_parallel(), extra], 3,
+                                      world_size=2, timeout=300):
+        assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5

@@ -63,3 +63,22 @@ def test_in_one_process_it_changes_nothing():
 
     plain, split = run([]), run([sw.expert_parallel()])
     assert all(torch.equal(plain[k], split[k]) for k in plain)
+
+
+def test_the_estimate_counts_each_ranks_experts_and_the_dispatch():
+    """Beside replicate(): 1/2 of every expert stack a rank (weights, gradients, AdamW's two
+    moments), and the rows each MoE layer sends and receives kept for backward (working
+    bytes: a routed forward cannot run on the meta device, so activations are not known)."""
+    model = moe("qwen3")
+    env = sw.Env(world_size=2, local_world_size=2, rank=0)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    whole = sw.estimate_memory(model, sw.pipeline(env, sw.replicate()), batch=batch)
+    split = sw.estimate_memory(model, sw.pipeline(env, sw.expert_parallel()), batch=batch)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert whole.params_bytes - split.params_bytes == experts // 2 * 4
+    assert whole.grads_bytes - split.grads_bytes == experts // 2 * 4
+    assert whole.optimizer_bytes - split.optimizer_bytes == experts // 2 * 8
+    layers, tokens, choices, width = 2, ids.numel(), 2, 32
+    assert split.working_bytes - whole.working_bytes == layers * 2 * tokens * choices * width * 4
+    assert "experts split over 2 ranks" in split.layout

@@ -9,12 +9,13 @@ from torch import nn
 def moe(kind, seed=0):
     """A tiny MoE language model: ``qwen3`` (8 experts, top-2, stacked gate_up/down),
     ``mixtral`` (4 experts), ``gptoss`` (4 experts with biases, interleaved gate/up and its
-    clamped SwiGLU, its own forward's argument names), ``own`` (:class:`OwnMoE`)."""
+    clamped SwiGLU, its own forward's argument names), ``own`` and ``own_skewed``
+    (:class:`OwnMoE`)."""
     import transformers as T
 
     torch.manual_seed(seed)
-    if kind == "own":
-        return OwnMoE()
+    if kind in ("own", "own_skewed"):
+        return OwnMoE(skewed=kind == "own_skewed")
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2)
     if kind == "qwen3":
@@ -53,10 +54,12 @@ class OwnExperts(nn.Module):
 
 class OwnMoE(nn.Module):
     """Embedding, one routed MoE layer (top-2 of 4), a head; returns ``.loss`` as
-    Transformers models do."""
+    Transformers models do. ``skewed``: every token picks experts 0 and 1 (on 2 ranks, the
+    second rank's experts get no token)."""
 
-    def __init__(self):
+    def __init__(self, skewed=False):
         super().__init__()
+        self.skewed = skewed
         self.embed = nn.Embedding(64, 16)
         self.router = nn.Linear(16, 4, bias=False)
         self.experts = OwnExperts()
@@ -68,6 +71,8 @@ class OwnMoE(nn.Module):
         x = self.embed(input_ids)
         flat = x.reshape(-1, 16)
         weights, index = torch.topk(torch.softmax(self.router(flat), dim=-1), 2, dim=-1)
+        if self.skewed:
+            index = torch.tensor([0, 1]).expand_as(index)
         x = x + self.experts(flat, index, weights).reshape(x.shape)
         logits = self.head(x)
         loss = nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1))

@@ -107,22 +107,39 @@ def read_pending_weights(model: nn.Module, root: nn.Module, env: Env, device: to
     Raises:
         CheckpointError: files that do not fit the model (named), on every rank.
     """
-    from shardwise.checkpoint.hf_files import export_state, read_hf_files
+    from shardwise.checkpoint.hf_files import agreed, export_state, read_hf_files
 
     folder = weights_pending(root)
     if folder is None:
         return
+    delattr(root, _WEIGHTS)
+    # every rank allocates, or all raise: the read below is a collective
+    agreed(env, "cannot allocate the model's parts", lambda: _allocate(model, device))
+    with torch.no_grad():
+        read_hf_files(env, export_state(model, None), folder)
+
+
+def _allocate(model: nn.Module, device: torch.device) -> None:
+    """``model``'s meta tensors allocated (uninitialised) on ``device``; its real buffers
+    kept, and a parameter two modules share (tied embeddings) still one after it
+    (``to_empty`` gives each module a new one)."""
     kept = {(id(owner), name): buffer for owner in model.modules()
             for name, buffer in owner._buffers.items()
             if buffer is not None and not buffer.is_meta}
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in model.modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((owner, name))
     model.to_empty(device=device)
     for owner in model.modules():
         for name in owner._buffers:
             if (id(owner), name) in kept:
                 owner._buffers[name] = kept[(id(owner), name)].to(device)
-    delattr(root, _WEIGHTS)
-    with torch.no_grad():
-        read_hf_files(env, export_state(model, None), folder)
+    for shared in places.values():
+        first_owner, first_name = shared[0]
+        for owner, name in shared[1:]:
+            owner._parameters[name] = first_owner._parameters[first_name]
 
 
 @contextlib.contextmanager

@@ -140,3 +140,16 @@ def test_it_composes_with_checkpointing_and_compile(extra):
     for weights, _ in run_distributed(trained, "qwen3", [sw.expert_parallel(), extra], 3,
                                       world_size=2, timeout=300):
         assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5
+
+
+def test_experts_that_get_no_token_still_step_as_in_one_process():
+    """Every token picks experts 0 and 1, both on rank 0: rank 1's experts get no row. In
+    one process their rows of the stacks get a zero gradient, so AdamW still decays them
+    and counts the step; on rank 1 they must too (a None gradient would skip them)."""
+    parts = [sw.expert_parallel(experts="OwnExperts")]
+    one = one_process("own_skewed", 3, "adamw")
+    base = moe("own_skewed").state_dict()
+    assert not torch.equal(one["experts.up"][2:], base["experts.up"][2:])  # decayed
+    for weights, _ in run_distributed(trained, "own_skewed", parts, 3, "adamw", world_size=2,
+                                      timeout=120):
+        assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5

@@ -228,3 +228,23 @@ def test_no_file_of_the_plan_passes_the_limit_but_a_tensor_larger_than_it():
         for index in set(indices):
             held = [size for name, size in sizes if plan[name] == index]
             assert sum(held) <= limit or len(held) == 1, (sizes, limit, plan)
+
+
+def test_a_tensor_stored_in_pieces_is_refused_not_read_in_part(tmp_path):
+    """A forged DCP offset makes a [2, 4] piece claim rows 2-3 of a [4, 4] weight: rows
+    0-1 would never be read (uninitialised under init_on_meta). Whole tensors only."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model = torch.nn.Linear(4, 4)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    offsets = {"weight": {"saved_offsets": [2, 0]}, "bias": {"saved_offsets": [0]}}
+    (tmp_path / "files").mkdir()
+    save_file({"weight": torch.ones(2, 4), "bias": torch.ones(4)},
+              tmp_path / "files" / "model.safetensors",
+              metadata={"DCP_SHARDING_INFO": json.dumps(offsets)})
+    before = model.weight.detach().clone()
+    with pytest.raises(sw.errors.CheckpointError, match=r"weight in two files or in pieces"):
+        sw.load_pretrained(tmp_path / "files", bundle)
+    assert torch.equal(model.weight.detach(), before)

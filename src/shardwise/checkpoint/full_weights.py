@@ -233,6 +233,8 @@ def export(path: str | os.PathLike[str], bundle: Bundle, *, dtype: torch.dtype |
         problem = str(exc)
     except OSError as exc:  # the gathered file, written by rank 0 alone
         problem = describe_os_error(exc)
+    except Exception as exc:  # safetensors' own errors too: every rank must hear of it
+        problem = f"{type(exc).__name__}: {exc}"
     if env.is_main and not problem:
         try:
             _write_config(module, tmp)

@@ -33,13 +33,14 @@ from shardwise._params import clean_name
 from shardwise.env import Env
 from shardwise.errors import CheckpointError
 
-__all__ = ["HF_WEIGHTS", "HF_INDEX", "SHARDED", "export_state", "file_plan", "hf_file_name",
+__all__ = ["HF_WEIGHTS", "HF_INDEX", "SHARDED", "agreed", "export_state", "file_plan", "hf_file_name",
            "write_hf_index", "write_hf_files", "weight_files", "read_hf_files", "holds_weights"]
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
-#: where the ranks' pieces are written before consolidation (removed after it)
-SHARDED = "sharded"
+#: where the ranks' pieces are written before consolidation (removed after it): a hidden
+#: name of shardwise's own, never a folder of the user's in the Trainer's output_dir
+SHARDED = ".shardwise-pieces"
 #: the largest output file (as Transformers' default ``max_shard_size``, 5 GB)
 MAX_FILE_BYTES = 5 * 10**9
 #: files the pieces of the model are cut into before consolidation, per rank
@@ -197,7 +198,7 @@ def global_sizes(state: Mapping[str, Any], group: Any) -> list[tuple[str, int, d
     return [(name, size, fix) for name, (size, fix) in seen.items()]
 
 
-def _agreed(env: Env, what: str, work: Callable[[], Any]) -> Any:
+def agreed(env: Env, what: str, work: Callable[[], Any]) -> Any:
     """Run this rank's part of a step, then agree: if it failed on any rank, every rank
     raises (no rank is left waiting in a collective the failing one skipped).
 
@@ -289,21 +290,21 @@ def write_hf_files(env: Env, state: dict[str, Any], out: Path,
     rank = dist.get_rank() if dist.is_initialized() else 0
     pieces_plan = file_plan(sizes, max(PIECES_PER_RANK * world, max(plan.values())))
     pieces = out / SHARDED
-    _agreed(env, f"cannot make {pieces}", lambda: _fresh(pieces) if rank == 0 else None)
-    writable = _agreed(env, "cannot write the safetensors files",
+    agreed(env, f"cannot make {pieces}", lambda: _fresh(pieces) if rank == 0 else None)
+    writable = agreed(env, "cannot write the safetensors files",
                        lambda: {name: _writable(name, t) for name, t in state.items()})
     writer = HuggingFaceStorageWriter(str(pieces), fqn_to_index_mapping=pieces_plan,
                                       save_distributed=True)
-    _agreed(env, f"cannot write the pieces in {pieces}",
+    agreed(env, f"cannot write the pieces in {pieces}",
             lambda: dcp.save(writable, storage_writer=writer))
-    _agreed(env, f"cannot consolidate the safetensors files in {out}",
+    agreed(env, f"cannot consolidate the safetensors files in {out}",
             lambda: _consolidate(pieces, out, plan, rank, world, fixes))
 
     def finish() -> None:
         if rank == 0:
             write_hf_index(out, plan, total)
             shutil.rmtree(pieces)
-    _agreed(env, f"cannot finish the safetensors files in {out}", finish)
+    agreed(env, f"cannot finish the safetensors files in {out}", finish)
     return plan
 
 
@@ -369,8 +370,10 @@ def read_hf_files(env: Env, state: dict[str, Any], path: Path) -> None:
         stored = {name: meta for name, meta in
                   reader.read_metadata().state_dict_metadata.items()
                   if isinstance(meta, TensorStorageMetadata)}
+        # a tensor in pieces (a file's DCP sharding offsets, untrusted) could leave rows
+        # unread: only whole tensors, as save_pretrained and sw.export write them
         twice = sorted(name for name, meta in stored.items()
-                       if len({tuple(c.offsets) for c in meta.chunks}) < len(meta.chunks))
+                       if len(meta.chunks) != 1 or any(meta.chunks[0].offsets))
         missing = sorted(name for name in state if name not in stored)
         shapes = sorted(f"{name} {tuple(state[name].shape)} (the files: "
                         f"{tuple(stored[name].size)})" for name in state
@@ -378,9 +381,10 @@ def read_hf_files(env: Env, state: dict[str, Any], path: Path) -> None:
                         tuple(state[name].shape))
         if missing or shapes or twice:
             shown = "; ".join([*(f"missing {n}" for n in missing[:5]), *shapes[:5],
-                               *(f"{n} in two files" for n in twice[:5])])
+                               *(f"{n} in two files or in pieces (whole tensors are read)"
+                                 for n in twice[:5])])
             more = len(missing) > 5 or len(shapes) > 5 or len(twice) > 5
             raise CheckpointError(f"the safetensors files in {path} do not fit the model: "
                                   f"{shown}{' ...' if more else ''}")
-    _agreed(env, "sw.load_pretrained", check)
+    agreed(env, "sw.load_pretrained", check)
     dcp.load(state, storage_reader=reader)

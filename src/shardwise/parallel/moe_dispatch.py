@@ -92,14 +92,13 @@ class ExpertSplit:
         self.local_count = self.count // size
         self.forward = type(module).forward
 
-    def _local(self, dtype: torch.dtype) -> _LocalExperts:
+    def _stacks(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The local stacks, in the activations' dtype (FSDP2's parameter cast under
         ``mixed_precision``; the gradient returns in the stacks' own), their gradient scaled."""
         stacks = {name: _ScaleGrad.apply(param.to_local(), 1.0 / self.size)  # type: ignore[attr-defined]
                   for name, param in self.module.named_parameters(recurse=False)}
-        stacks = {name: stack.to(dtype) if stack.is_floating_point() else stack
-                  for name, stack in stacks.items()}
-        return _LocalExperts(self.module, stacks, self.local_count)
+        return {name: stack.to(dtype) if stack.is_floating_point() else stack
+                for name, stack in stacks.items()}
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -121,7 +120,14 @@ class ExpertSplit:
         local_in = local.new_empty(sum(received))
         dist.all_to_all_single(local_in, local, received, sent, group=self.group)
         ones = torch.ones(sum(received), 1, dtype=top_k_weights.dtype, device=rows.device)
-        done = self.forward(self._local(rows.dtype), rows, local_in[:, None], ones)
+        stacks = self._stacks(rows.dtype)
+        done = self.forward(_LocalExperts(self.module, stacks, self.local_count), rows,
+                            local_in[:, None], ones)
+        if not sum(received):  # no row for this rank's experts: the output must still
+            # hang on the rows and the stacks, or this rank's backward would skip the two
+            # all-to-alls the others run (a hang), and the stacks would get no gradient
+            # (in one process their rows get zeros, which AdamW decays and counts)
+            done = done + (rows.sum() + sum(stack.sum() for stack in stacks.values())) * 0
         back = all_to_all_single(hidden_states.new_empty(tokens * choices, width), done,
                                  sent, received, group=self.group)
         weights = top_k_weights.reshape(-1)[order, None]

@@ -15,7 +15,7 @@ from shardwise.bundle import Bundle
 from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
-from shardwise.meta_init import is_rank0_weights
+from shardwise.meta_init import is_rank0_weights, weights_pending
 from shardwise.parallel.moe_dispatch import (
     expert_count,
     expert_stacks,
@@ -133,10 +133,10 @@ class ExpertParallel(Transform):
             raise ConflictError(f"{self!r}: {size} ranks per expert group of {env.world_size}: "
                                 "experts replicated across groups are not built yet; leave "
                                 f"size=None (every rank, {env.world_size})")
-        if is_rank0_weights(model):
-            raise ConflictError(f"{self!r}: a model built by sw.init_on_meta(factory) holds its "
-                                "weights on rank 0 only; build it normally or with "
-                                "init_on_meta(factory, weights=path)")
+        if is_rank0_weights(model) or weights_pending(model) is not None:
+            raise ConflictError(f"{self!r}: a model built by sw.init_on_meta is not split into "
+                                "experts yet (its weights are on rank 0 only, or read after the "
+                                "split); build it normally and load with sw.load_pretrained")
         found = experts_modules(model, self.experts)
         if not found:
             wanted = f"no module of class {self.experts!r}" if self.experts is not None else (

@@ -86,8 +86,8 @@ def expert_stacks(module: nn.Module) -> dict[str, nn.Parameter]:
 class ExpertSplit:
     """The ``ep`` group of one experts module and its dispatch."""
 
-    def __init__(self, module: nn.Module, group: Any, rank: int, size: int) -> None:
-        self.module, self.group, self.rank, self.size = module, group, rank, size
+    def __init__(self, module: nn.Module, group: Any, size: int) -> None:
+        self.module, self.group, self.size = module, group, size
         self.count = expert_count(module)
         self.local_count = self.count // size
         self.forward = type(module).forward
@@ -140,8 +140,7 @@ def split_experts(module: nn.Module, mesh: Any) -> ExpertSplit:
     experts, scattered from rank 0's copy) and route its forward through the dispatch."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    size, rank = int(mesh.size()), int(mesh.get_local_rank())
-    split = ExpertSplit(module, mesh.get_group(), rank, size)
+    split = ExpertSplit(module, mesh.get_group(), int(mesh.size()))
     for name, param in expert_stacks(module).items():
         sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
         stack = nn.Parameter(sharded, requires_grad=param.requires_grad)

@@ -13,7 +13,7 @@ from shardwise.errors import ArgumentError
 from shardwise.policies import Policy, auto, check_policy
 
 __all__ = ["boolean", "optional_boolean", "integer", "integer_at_least_one", "positive_float",
-           "positive_number", "to_policy", "MAX_COUNT", "MAX_MIB"]
+           "positive_number", "to_policy", "group_size", "MAX_COUNT", "MAX_MIB", "MAX_GROUP"]
 
 
 def _where(instance: Any, attribute: attrs.Attribute[Any]) -> str:
@@ -49,6 +49,21 @@ def integer_at_least_one(instance: Any, attribute: attrs.Attribute[Any], value: 
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
         raise ArgumentError(f"{_where(instance, attribute)} must be an integer in "
                             f"[1, {MAX_COUNT}] (got {_short(value)})")
+
+
+#: The most ranks a parallel group spans (``tensor_parallel``'s, ``context_parallel``'s, ...).
+MAX_GROUP = 2**16
+
+
+def group_size(none_means: str) -> Any:
+    """A validator of a group's ``size``: None (``none_means``: the size worked out) or an
+    int in [1, 65536]."""
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= MAX_GROUP):
+            raise ArgumentError(f"{_where(instance, attribute)} must be None ({none_means}) "
+                                f"or an integer in [1, {MAX_GROUP}] (got {_short(value)})")
+    return check
 
 
 #: The largest size in MiB a transform takes (DDP's bucket size): 1 TiB.

@@ -16,19 +16,13 @@ from shardwise.parallel.context_hooks import hook_attention
 from shardwise.parallel.context_split import ContextSplit
 from shardwise.parallel.mesh import with_dimension
 from shardwise.plan import Plan
+from shardwise.transforms._checks import group_size
 from shardwise.transforms.base import Stage, Transform, plan_for
 
 __all__ = ["ContextParallel", "context_parallel", "METHODS"]
 
 Method = Literal["ulysses", "ring"]
 METHODS = ("ulysses",)
-
-
-def _size(instance: Any, attribute: Any, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or not 1 <= value <= 2**16):
-        raise ArgumentError(f"context_parallel() 'size' must be None (the ranks of one node) or "
-                            f"an integer in [1, 65536] (got {short(value)})")
 
 
 def _method(instance: Any, attribute: Any, value: Any) -> None:
@@ -73,7 +67,7 @@ class ContextParallel(Transform):
         >>> pipe = sw.pipeline(sw.context_parallel(size=2), sw.shard())  # dp_shard x cp
     """
 
-    size: int | None = attrs.field(default=None, validator=_size)
+    size: int | None = attrs.field(default=None, validator=group_size("the ranks of one node"))
     method: Method = attrs.field(default="ulysses", kw_only=True, validator=_method)
     stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
     factory_name: ClassVar[str] = "context_parallel"

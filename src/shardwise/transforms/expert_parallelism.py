@@ -22,6 +22,7 @@ from shardwise.parallel.moe_dispatch import (
     is_expert_stack,
     split_experts,
 )
+from shardwise.transforms._checks import group_size
 from shardwise.transforms.base import Stage, Transform
 
 __all__ = ["ExpertParallel", "expert_parallel", "experts_modules"]
@@ -30,13 +31,6 @@ __all__ = ["ExpertParallel", "expert_parallel", "experts_modules"]
 #: names them its own way)
 _ARGUMENTS = (("hidden_states", "top_k_index", "top_k_weights"),
               ("hidden_states", "router_indices", "routing_weights"))
-
-
-def _size(instance: Any, attribute: Any, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or not 1 <= value <= 2**16):
-        raise ArgumentError(f"expert_parallel() 'size' must be None (every data rank) or an "
-                            f"integer in [1, 65536] (got {short(value)})")
 
 
 def _experts(instance: Any, attribute: Any, value: Any) -> None:
@@ -103,7 +97,7 @@ class ExpertParallel(Transform):
         >>> pipe = sw.pipeline(sw.expert_parallel())  # Qwen3-MoE on 2 ranks: 4 experts each
     """
 
-    size: int | None = attrs.field(default=None, validator=_size)
+    size: int | None = attrs.field(default=None, validator=group_size("every data rank"))
     experts: str | type | None = attrs.field(default=None, kw_only=True, validator=_experts)
     stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
     factory_name: ClassVar[str] = "expert_parallel"

@@ -11,12 +11,11 @@ import torch
 from torch import nn
 
 from shardwise._params import is_dtensor, param_names, rebind_optimizer, refuse_state
-from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.distributed import all_agree, ensure_process_group
 from shardwise.engines import Engine, LocalEngine, TPEngine
 from shardwise.env import Env
-from shardwise.errors import ArgumentError, ConflictError
+from shardwise.errors import ConflictError
 from shardwise.meta_init import is_rank0_weights
 from shardwise.parallel.mesh import stage_peers, with_dimension
 from shardwise.parallel.pp_stages import cut_from
@@ -30,6 +29,7 @@ from shardwise.parallel.tp_plan import (
     whole_owners,
 )
 from shardwise.plan import Plan
+from shardwise.transforms._checks import group_size
 from shardwise.transforms.base import Stage, Transform, plan_for
 
 __all__ = ["TensorParallel", "tensor_parallel"]
@@ -37,13 +37,6 @@ __all__ = ["TensorParallel", "tensor_parallel"]
 
 def _plan(instance: Any, attribute: Any, value: Any) -> None:
     check_plan_value(value)
-
-
-def _size(instance: Any, attribute: Any, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or not 1 <= value <= 2**16):
-        raise ArgumentError(f"tensor_parallel() 'size' must be None (the ranks of one node) or "
-                            f"an integer in [1, 65536] (got {short(value)})")
 
 
 def _from_first(model: nn.Module, peers: Any) -> None:
@@ -115,7 +108,7 @@ class TensorParallel(Transform):
     splits_weights = True
 
     plan: str | Mapping[str, Any] = attrs.field(default="auto", validator=_plan)
-    size: int | None = attrs.field(default=None, kw_only=True, validator=_size)
+    size: int | None = attrs.field(default=None, kw_only=True, validator=group_size("the ranks of one node"))
     stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
     factory_name: ClassVar[str] = "tensor_parallel"
     distributes: ClassVar[bool] = True

@@ -295,7 +295,8 @@ def test_a_sharded_checkpoint_converts_to_hugging_face_files_offline(tmp_path):
     """`shardwise to-hf` in one process turns a checkpoint saved sharded over 2 ranks
     (weights and AdamW state) into files from_pretrained loads equal to the trained
     weights, holding one output file at a time (memory rises by under 0.75x the model);
-    a damaged checkpoint is refused before anything is written."""
+    a damaged checkpoint is refused before anything is written. `shardwise from-hf` turns
+    the files back into a checkpoint (under 0.75x too) that 2 ranks load sharded."""
     from transformers import LlamaForCausalLM
 
     from shardwise.cli import main
@@ -321,6 +322,28 @@ def test_a_sharded_checkpoint_converts_to_hugging_face_files_offline(tmp_path):
     storage.write_bytes(bytes(data))
     assert main(["to-hf", path, str(tmp_path / "again")]) == 2
     assert not (tmp_path / "again").exists()
+
+    # and back: the files into a weights-only checkpoint, one tensor at a time, that two
+    # ranks load sharded
+    with PeakGrowth() as grown:
+        code = main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")])
+    print(f"from-hf: peak growth {grown.bytes / model_bytes:.2f} x the model")
+    assert code == 0 and grown.bytes < 0.75 * model_bytes, grown.bytes / model_bytes
+    resumed, _ = run_distributed(loaded_sharded, str(tmp_path / "back"), timeout=300)
+    assert set(resumed) == set(trained)
+    assert all(torch.equal(resumed[k], v) for k, v in trained.items())
+
+
+def loaded_sharded(root):
+    """A weights-only checkpoint loaded under shard() on 2 ranks into a model of other
+    initial weights: the weights it then holds."""
+    from shardwise.checkpoint.from_hf import WEIGHTS_ONLY_SKIP
+
+    model = big_llama(tied=False, seed=7)
+    bundle = sw.pipeline(sw.detect(), sw.shard())(model, torch.optim.AdamW(model.parameters()))
+    sw.load(root, bundle, skip=WEIGHTS_ONLY_SKIP)
+    weights = full_state(bundle.model)
+    return weights if sw.detect().rank == 0 else {}
 
 
 def trainer_resumed(root):

@@ -34,7 +34,8 @@ from shardwise.env import Env
 from shardwise.errors import CheckpointError
 
 __all__ = ["HF_WEIGHTS", "HF_INDEX", "SHARDED", "agreed", "export_state", "file_plan", "hf_file_name",
-           "write_hf_index", "write_hf_files", "weight_files", "read_hf_files", "holds_weights"]
+           "write_hf_index", "write_hf_files", "weight_files", "read_hf_files", "holds_weights",
+           "hf_reader", "stored_tensors"]
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -349,6 +350,37 @@ def weight_files(folder: Path) -> list[str]:
     raise CheckpointError(f"{folder} holds no {HF_WEIGHTS} nor {HF_INDEX}")
 
 
+def hf_reader(path: Path) -> Any:
+    """DCP's ``HuggingFaceStorageReader`` over the files at ``path`` the index names."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    reader = HuggingFaceStorageReader(str(path))
+    reader.fs = _Listing(reader.fs, set(weight_files(path)))  # type: ignore[assignment]
+    return reader
+
+
+def stored_tensors(reader: Any, path: Path) -> dict[str, Any]:
+    """Each tensor the files at ``path`` hold (read by ``reader``, :func:`hf_reader`): its
+    DCP storage metadata (shape, dtype), read from the headers.
+
+    Raises:
+        CheckpointError: a tensor in two files or in pieces (a file's DCP sharding offsets,
+            untrusted, could leave rows unread: only whole tensors, as ``save_pretrained``
+            and ``sw.export`` write them).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = {name: meta for name, meta in reader.read_metadata().state_dict_metadata.items()
+              if isinstance(meta, TensorStorageMetadata)}
+    twice = sorted(name for name, meta in stored.items()
+                   if len(meta.chunks) != 1 or any(meta.chunks[0].offsets))
+    if twice:
+        raise CheckpointError(f"the safetensors files in {path} hold "
+                              f"{', '.join(twice[:5])}{' ...' if len(twice) > 5 else ''} in two "
+                              "files or in pieces; whole tensors are read")
+    return stored
+
+
 def read_hf_files(env: Env, state: dict[str, Any], path: Path) -> None:
     """Copy Hugging Face safetensors at ``path`` into ``state``'s tensors in place (this
     rank's part: a DTensor's local shard, a stage's tensors), each rank reading only the
@@ -360,31 +392,21 @@ def read_hf_files(env: Env, state: dict[str, Any], path: Path) -> None:
             named; files that are not the model's weights.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = HuggingFaceStorageReader(str(path))
+    readers: list[Any] = []
 
     def check() -> None:
-        reader.fs = _Listing(reader.fs, set(weight_files(path)))  # type: ignore[assignment]
-        stored = {name: meta for name, meta in
-                  reader.read_metadata().state_dict_metadata.items()
-                  if isinstance(meta, TensorStorageMetadata)}
-        # a tensor in pieces (a file's DCP sharding offsets, untrusted) could leave rows
-        # unread: only whole tensors, as save_pretrained and sw.export write them
-        twice = sorted(name for name, meta in stored.items()
-                       if len(meta.chunks) != 1 or any(meta.chunks[0].offsets))
+        readers.append(hf_reader(path))
+        stored = stored_tensors(readers[0], path)
         missing = sorted(name for name in state if name not in stored)
         shapes = sorted(f"{name} {tuple(state[name].shape)} (the files: "
                         f"{tuple(stored[name].size)})" for name in state
                         if name in stored and tuple(stored[name].size) !=
                         tuple(state[name].shape))
-        if missing or shapes or twice:
-            shown = "; ".join([*(f"missing {n}" for n in missing[:5]), *shapes[:5],
-                               *(f"{n} in two files or in pieces (whole tensors are read)"
-                                 for n in twice[:5])])
-            more = len(missing) > 5 or len(shapes) > 5 or len(twice) > 5
+        if missing or shapes:
+            shown = "; ".join([*(f"missing {n}" for n in missing[:5]), *shapes[:5]])
+            more = len(missing) > 5 or len(shapes) > 5
             raise CheckpointError(f"the safetensors files in {path} do not fit the model: "
                                   f"{shown}{' ...' if more else ''}")
     agreed(env, "sw.load_pretrained", check)
-    dcp.load(state, storage_reader=reader)
+    dcp.load(state, storage_reader=readers[0])

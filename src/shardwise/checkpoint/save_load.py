@@ -415,6 +415,7 @@ def _checked(path: Path, bundle: Bundle, skipped: frozenset[str]
     state, rng, position = TrainState(), None, (0, 0, 0)
     try:
         meta = read_meta(path)
+        _check_weights_only(path, meta, skipped)
         state = TrainState.from_dict(meta["train_state"])
         saved, mine = meta.get("engine", TORCH_FORMAT), bundle.engine.own_checkpoint or TORCH_FORMAT
         if saved != mine:
@@ -439,3 +440,17 @@ def _checked(path: Path, bundle: Bundle, skipped: frozenset[str]
         raise CheckpointError(problem or f"loading {path} failed on another rank; nothing "
                               "was restored")
     return meta, state, rng, position
+
+
+def _check_weights_only(path: Path, meta: dict[str, Any], skipped: frozenset[str]) -> None:
+    """Refuse a weights-only checkpoint (``shardwise from-hf``) unless every other part is
+    skipped: loading it would start them fresh, which the caller must say."""
+    from shardwise.checkpoint.from_hf import WEIGHTS_ONLY_SKIP
+
+    if meta.get("weights_only") is None or set(WEIGHTS_ONLY_SKIP) <= skipped:
+        return
+    raise CheckpointError(
+        f"{path} holds a model's weights only (written by shardwise from-hf from "
+        f"{short(meta['weights_only'])}): no optimizer state, scheduler, grad scaler or random "
+        f"generators. Load it with sw.load(..., skip={WEIGHTS_ONLY_SKIP!r}); those parts "
+        "then start as the bundle has them")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +37,44 @@ def _config_folder(config: str | os.PathLike[str] | None) -> Path | None:
         raise CheckpointError(f"--config {config}: no config.json there (pass a Transformers "
                               "model folder or its config.json)")
     return folder
+
+
+def _tied_aliases(source: Path, tensors: dict[str, Any], settings: Path | None) -> list[str]:
+    """The checkpoint keys of the second and later names of each weight the model of
+    ``settings/config.json`` ties (the first is written), each checked to hold the same
+    values as the first.
+
+    Raises:
+        CheckpointError: a tied pair holds different values (not the model the config
+            describes).
+    """
+    if settings is None:
+        return []
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise.checkpoint.from_hf import tied_names
+    from shardwise.checkpoint.restore import dcp_quietly
+    from shardwise.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
+
+    key_of = {clean_name(key[len(PREFIX):]): key for key in tensors}
+    aliases = []
+    for names in tied_names(settings):
+        keys = [key_of[name] for name in names if name in key_of]
+        if len(keys) < 2:
+            continue
+        part = {key[len(PREFIX):]: torch.empty(tuple(tensors[key].size),
+                                               dtype=tensors[key].properties.dtype)
+                for key in keys}
+        with dcp_quietly():
+            dcp.load({"model": part}, storage_reader=SafeReader(source),
+                     planner=SafeLoadPlanner(), no_dist=True)
+        first, *rest = part.values()
+        if not all(torch.equal(first, other) for other in rest):
+            raise CheckpointError(f"{settings / 'config.json'} ties {', '.join(names)}, but "
+                                  f"the checkpoint {source} holds different values for them: "
+                                  "it is not of the model that config describes")
+        aliases += keys[1:]
+    return aliases
 
 
 def checkpoint_to_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
@@ -72,6 +111,8 @@ def checkpoint_to_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[
                if key.startswith(PREFIX) and isinstance(meta, TensorStorageMetadata)}
     if not tensors:
         raise CheckpointError(f"the checkpoint {source} holds no model tensors")
+    for alias in _tied_aliases(source, tensors, settings):
+        del tensors[alias]  # save_pretrained writes a tied weight once, from_pretrained ties it
 
     def size(meta: TensorStorageMetadata) -> int:
         written = dtype if dtype is not None and meta.properties.dtype.is_floating_point \

@@ -1,0 +1,80 @@
+# `shardwise from-hf` in one process: Hugging Face files into a weights-only checkpoint, and back.
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardwise as sw
+from shardwise.checkpoint.from_hf import WEIGHTS_ONLY_SKIP
+from shardwise.cli import main
+
+from conftest import llama
+
+
+def saved_pretrained(folder, tied):
+    """A tiny Llama saved by save_pretrained in several files: its state dict."""
+    model = llama(layers=2, tied=tied)
+    model.save_pretrained(folder, max_shard_size="40KB")
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_hugging_face_files_become_a_checkpoint_that_loads_and_converts_back(tmp_path):
+    """A tied Llama's files (save_pretrained writes the embedding once, in several files)
+    become a checkpoint sw.load reads into a bundle built from other weights, the tie kept;
+    a load that does not skip the parts the checkpoint lacks is refused by name; to-hf
+    writes the tied weight once again, as save_pretrained does."""
+    from transformers import LlamaForCausalLM
+
+    weights = saved_pretrained(tmp_path / "hf", tied=True)
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    record = json.loads((tmp_path / "ckpt" / "step_00000000" / "shardwise.json").read_text())
+    assert record["weights_only"] == str(tmp_path / "hf")
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000000"
+
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(llama(layers=2, tied=True).config)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert not torch.equal(model.lm_head.weight, weights["lm_head.weight"])
+    with pytest.raises(sw.errors.CheckpointError, match=r"weights only.*skip=\('optimizer', "
+                       r"'scheduler', 'scaler', 'rng'\)"):
+        sw.load(tmp_path / "ckpt", bundle)
+    state = sw.load(tmp_path / "ckpt", bundle, skip=WEIGHTS_ONLY_SKIP)
+    assert state.step == 0
+    loaded = model.state_dict()
+    assert set(loaded) == set(weights)
+    assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    assert main(["to-hf", str(tmp_path / "ckpt" / "step_00000000"), str(tmp_path / "back"),
+                 "--config", str(tmp_path / "hf")]) == 0
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert "lm_head.weight" not in back and set(back) == set(weights) - {"lm_head.weight"}
+    again = LlamaForCausalLM.from_pretrained(tmp_path / "back").state_dict()
+    assert all(torch.equal(again[k], v) for k, v in weights.items())
+
+
+def test_forged_or_foreign_files_are_refused_and_nothing_is_published(tmp_path):
+    """An index naming a file outside the folder, and a config.json Transformers builds no
+    model from, are refused before a checkpoint is published; a tied pair whose values
+    differ is refused by to-hf (the checkpoint is not the config's model)."""
+    saved_pretrained(tmp_path / "hf", tied=False)
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    good = index.read_text()
+    forged = json.loads(good)
+    forged["weight_map"]["lm_head.weight"] = "../elsewhere.safetensors"
+    index.write_text(json.dumps(forged))
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
+    index.write_text(good)
+    config = tmp_path / "hf" / "config.json"
+    config.write_text(json.dumps({"model_type": "no-such-model"}))
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
+    assert sw.latest_checkpoint(tmp_path / "ckpt") is None
+
+    config.unlink()  # without a config: the files' names as they are (untied: all there)
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    llama(layers=2, tied=True).config.save_pretrained(tmp_path / "tied")
+    assert main(["to-hf", str(tmp_path / "ckpt" / "step_00000000"), str(tmp_path / "back"),
+                 "--config", str(tmp_path / "tied")]) == 2
+    assert not (tmp_path / "back").exists()

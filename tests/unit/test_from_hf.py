@@ -78,3 +78,24 @@ def test_forged_or_foreign_files_are_refused_and_nothing_is_published(tmp_path):
     assert main(["to-hf", str(tmp_path / "ckpt" / "step_00000000"), str(tmp_path / "back"),
                  "--config", str(tmp_path / "tied")]) == 2
     assert not (tmp_path / "back").exists()
+
+
+def test_experts_saved_one_by_one_are_refused_with_the_way_to_stacked_files(tmp_path):
+    """save_pretrained (Transformers 5) writes a Qwen3-MoE's experts one by one; the model
+    holds them stacked: load_pretrained names the files' form and the way on (sw.export)."""
+    from _moe import moe
+
+    model = moe("qwen3")
+    model.save_pretrained(tmp_path / "hf")
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(sw.errors.CheckpointError, match=r"missing model\.layers\.0\.mlp\.experts"
+                       r"\.down_proj.*one part at a time \(model\.layers\.0\.mlp\.experts\.0\..*"
+                       r"sw\.export"):
+        sw.load_pretrained(tmp_path / "hf", bundle)
+    sw.export(tmp_path / "stacked", bundle)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    sw.load_pretrained(tmp_path / "stacked", bundle)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -381,6 +381,23 @@ def stored_tensors(reader: Any, path: Path) -> dict[str, Any]:
     return stored
 
 
+def _one_by_one(missing: list[str], stored: Mapping[str, Any]) -> str:
+    """Why a stacked tensor is missing when the files hold its module's parts numbered one
+    by one (``experts.0.gate_proj.weight``: how ``save_pretrained`` writes a mixture of
+    experts in Transformers 5, which converts them while loading); '' otherwise."""
+    for name in missing:
+        module = name.rsplit(".", 1)[0]
+        numbered = sorted(key for key in stored if key.startswith(module + ".")
+                          and key[len(module) + 1:].split(".", 1)[0].isdigit())
+        if numbered:
+            return (f". The files hold {module} one part at a time ({numbered[0]}, ...), as "
+                    "save_pretrained writes a mixture of experts; the model holds them stacked, "
+                    "which Transformers' from_pretrained converts while it reads the whole "
+                    "model. Read these files with from_pretrained, or write stacked files once "
+                    "with sw.export (one process is enough) and load those")
+    return ""
+
+
 def read_hf_files(env: Env, state: dict[str, Any], path: Path) -> None:
     """Copy Hugging Face safetensors at ``path`` into ``state``'s tensors in place (this
     rank's part: a DTensor's local shard, a stage's tensors), each rank reading only the
@@ -407,6 +424,6 @@ def read_hf_files(env: Env, state: dict[str, Any], path: Path) -> None:
             shown = "; ".join([*(f"missing {n}" for n in missing[:5]), *shapes[:5]])
             more = len(missing) > 5 or len(shapes) > 5
             raise CheckpointError(f"the safetensors files in {path} do not fit the model: "
-                                  f"{shown}{' ...' if more else ''}")
+                                  f"{shown}{' ...' if more else ''}{_one_by_one(missing, stored)}")
     agreed(env, "sw.load_pretrained", check)
     dcp.load(state, storage_reader=readers[0])

@@ -87,8 +87,8 @@ def clipped(parts):
     parts = [*parts, sw.clip_gradients(0.05), sw.accumulate_gradients(2)]
     bundle = sw.pipeline(env, *parts)(model, torch.optim.SGD(model.parameters(), lr=0.5))
     state, norms = bundle.init(), []
-    share = 4 // env.world_size
-    for ids in token_batches(4):
+    share = 8 // env.world_size
+    for ids in token_batches(4, rows=8):
         mine = ids[env.rank * share:(env.rank + 1) * share]
         for half in (mine[:share // 2], mine[share // 2:]):
             state, out = bundle.step(state, {"input_ids": half, "labels": half})
@@ -97,13 +97,18 @@ def clipped(parts):
     return full_state(bundle.model), norms
 
 
-def test_clipping_and_accumulation_see_the_whole_gradient():
-    """The norm is taken over the expert stacks' shards and the replicated weights together
+@pytest.mark.parametrize("ranks,parts", [(2, [sw.expert_parallel()]),
+                                         (4, [sw.expert_parallel(size=2), sw.shard()])],
+                         ids=["ep2", "ep2_x_shard_on_4"])
+def test_clipping_and_accumulation_see_the_whole_gradient(ranks, parts):
+    """The norm is taken over the expert stacks' shards and the other weights together
     (torch's clip_grad_norm_ cannot stack both kinds) and equals one process's; so do the
-    weights after accumulated, clipped steps."""
+    weights after accumulated, clipped steps. On 4 ranks the stacks live on the experts'
+    2-D mesh (FSDP2 across the replicas, skipping its reduction until a window's end) and
+    the other weights on FSDP2's 4 ranks."""
     one, norms = clipped([])
-    for weights, split_norms in run_distributed(clipped, [sw.expert_parallel()], world_size=2,
-                                                timeout=120):
+    for weights, split_norms in run_distributed(clipped, parts, world_size=ranks,
+                                                timeout=300):
         assert split_norms == pytest.approx(norms, rel=1e-5) and len(norms) == 4
         assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5
 
@@ -153,3 +158,25 @@ def test_experts_that_get_no_token_still_step_as_in_one_process():
     for weights, _ in run_distributed(trained, "own_skewed", parts, 3, "adamw", world_size=2,
                                       timeout=120):
         assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5
+
+
+@pytest.mark.parametrize("other", ["replicate", "shard"])
+def test_two_expert_groups_of_two_ranks_train_as_one_process(tmp_path, other):
+    """ep=2 on 4 ranks: two groups of two ranks, replicas of each other, each rank half of
+    every expert stack (under shard() FSDP2 shards that half again across the replicas: a
+    quarter); the other weights replicated or sharded by FSDP2 over all 4. Three SGD steps
+    on the global batch (each rank its row) equal one process within 1e-5; the checkpoint
+    saved there loads in one process with those weights."""
+    parts = [sw.expert_parallel(size=2), getattr(sw, other)()]
+    one = one_process("qwen3", 3)
+    root = str(tmp_path / "ep")
+    ranks = run_distributed(trained, "qwen3", parts, 3, "sgd", root, world_size=4, timeout=300)
+    for weights, held in ranks:
+        experts = {n: c for n, c in held.items() if ".experts." in n}
+        held_rows = 4 if other == "replicate" else 2  # 8 experts / ep 2 (/ 2 replicas)
+        assert experts and all(count == held_rows for count in experts.values()), experts
+        gap = max((weights[k] - one[k]).abs().max().item() for k in one)
+        assert gap < 1e-5, gap
+    step = sorted(p for p in os.listdir(root) if p.startswith("step_"))[-1]
+    alone, _ = trained("qwen3", [], 3, "sgd", None, os.path.join(root, step))
+    assert all(torch.equal(alone[k], ranks[0][0][k]) for k in one)

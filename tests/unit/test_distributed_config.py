@@ -57,6 +57,8 @@ def test_pipeline_and_tensor_sizes_alone_and_hsdp():
     experts = sw.from_config(DistributedConfig(fsdp_size=8, ep_size=8,
                                                ep_implementation="all_to_all"), env=EIGHT)
     assert configured(experts) == [sw.expert_parallel(), sw.shard()]
+    groups = sw.from_config(DistributedConfig(fsdp_size=8, ep_size=2), env=EIGHT)
+    assert configured(groups) == [sw.expert_parallel(size=2), sw.shard()]
     # tp_size left to Transformers' rule: the ranks the other sizes leave, when a plan is set
     assert configured(sw.from_config({"pp_size": 2, "tp_plan": "auto"}, env=four)) == [
         sw.pipeline_parallel(size=2), sw.tensor_parallel(size=2)]
@@ -68,6 +70,7 @@ def test_pipeline_and_tensor_sizes_alone_and_hsdp():
     ({"pp_size": 0}, r"pp_size=0 is not accepted; accepted: an integer >= 1"),
     ({"pp_size": 2, "fsdp_size": 4, "ep_size": 2}, r"ep_size=2 beside pp_size=2.*other "
                                                      r"layouts are not built yet"),
+    ({"fsdp_size": 8, "ep_size": 3}, r"ep_size=3 beside .*fsdp_size=8.*a divisor of fsdp_size"),
     ({"fsdp_size": 8, "ep_size": 8, "ep_implementation": "all_reduce"},
      r"ep_implementation='all_reduce' is not accepted; accepted: 'auto' or 'all_to_all'"),
     ({"fsdp_size": 8, "ep_size": 8, "ep_plan": {"x": "grouped_gemm"}}, r"ep_plan is set"),

@@ -12,9 +12,9 @@ that dimension, so the model is loaded whole and shardwise cuts, splits and shar
 - ``fsdp_cpu_offload: true``: ``offload()``; ``fsdp_mixed_precision: true``:
   ``mixed_precision("bf16")`` (Transformers' policy: bf16 parameters, fp32 reduction), both
   only with FSDP (``fsdp_size`` or ``dp_replicate_size`` > 1), as Transformers reads them.
-- ``ep_size`` (Transformers runs it inside its FSDP ranks): ``expert_parallel()`` beside the
-  ``shard()`` of ``fsdp_size``, when both are the world size (``ep_implementation``
-  ``"auto"`` or ``"all_to_all"``).
+- ``ep_size`` (Transformers runs it inside its FSDP ranks): ``expert_parallel(size=ep_size)``
+  beside the ``shard()`` of ``fsdp_size`` (the world size), when ``ep_size`` divides it
+  (``ep_implementation`` ``"auto"`` or ``"all_to_all"``).
 
 Refused by name: other expert-parallel layouts, ``ep_plan``, ``ep_implementation``
 ``"all_reduce"`` and the rest,
@@ -122,15 +122,15 @@ def distributed_config_transforms(src: Source, env: Env) -> list[Transform]:
     out: list[Transform] = []
     ep = _size(src, "ep_size")
     if ep > 1 and env.is_distributed:
-        if (pp, tp, replicas) != (1, 1, 1) or ep != fsdp:
+        if (pp, tp, replicas) != (1, 1, 1) or fsdp % ep:
             raise ConfigError.at(src.origin, f"ep_size={ep} beside pp_size={pp}, tp_size={tp}, "
                                  f"dp_replicate_size={replicas}, fsdp_size={fsdp}: "
-                                 "sw.expert_parallel splits the experts over every FSDP rank "
-                                 "(ep_size = fsdp_size = the world size, the other sizes 1); "
-                                 "other layouts are not built yet")
+                                 "sw.expert_parallel splits the experts inside the FSDP ranks "
+                                 "(ep_size a divisor of fsdp_size = the world size, the other "
+                                 "sizes 1); other layouts are not built yet")
         from shardwise.transforms.expert_parallelism import expert_parallel
 
-        out.append(expert_parallel())
+        out.append(expert_parallel(size=None if ep == fsdp else ep))
     if pp > 1:
         out.append(pipeline_parallel(size=pp))
     if tp > 1:

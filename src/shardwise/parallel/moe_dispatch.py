@@ -12,9 +12,15 @@ expert, weight 1: the model's own expert math, whichever implementation it selec
 results come back by the reverse all-to-all and are weighed by the router's weights and
 summed per token, as the module does.
 
-Gradients: a rank's experts see every rank's tokens, so their gradient sums the ``ep``
-ranks' losses where data parallelism averages; the local stacks scale it by ``1 / ep`` on
-the way back, so it equals the global batch's mean as the other weights' averaged one does.
+With fewer ranks per group than data ranks (``ep`` < world), the groups are replicas of
+each other: ranks ``g * ep ... g * ep + ep - 1`` form group ``g``, and the stacks are
+DTensors on a 2-D mesh ``(ep_replicate, ep)``, replicated over the first dimension.
+
+Gradients: a rank's experts see every rank of its group's tokens, so their gradient sums
+the ``ep`` ranks' losses where data parallelism averages; on the way back the local
+stacks' gradient is summed over the replicas (an all-reduce over ``ep_replicate``, every
+micro-batch: a sum of sums under accumulation) and scaled by ``1 / world``, so it equals
+the global batch's mean as the other weights' averaged one does.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ExpertSplit", "split_experts", "expert_stacks", "expert_count", "is_expert_stack"]
+__all__ = ["ExpertSplit", "split_experts", "expert_splits", "expert_stacks", "expert_count",
+           "is_expert_stack"]
 
 #: the mark a split expert stack carries (FSDP2 leaves it to the dispatch)
 _MARK = "_shardwise_expert_stack"
@@ -37,16 +44,20 @@ def is_expert_stack(param: torch.Tensor) -> bool:
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient scaled by ``factor`` on the way back."""
+    """Identity forward; on the way back the gradient summed over ``replicas`` (a process
+    group, or None) and scaled by ``factor``."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float, replicas: Any) -> torch.Tensor:
+        ctx.factor, ctx.replicas = factor, replicas
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.factor, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad * ctx.factor
+        if ctx.replicas is not None:
+            dist.all_reduce(grad, group=ctx.replicas)
+        return grad, None, None
 
 
 class _LocalExperts:
@@ -86,8 +97,13 @@ def expert_stacks(module: nn.Module) -> dict[str, nn.Parameter]:
 class ExpertSplit:
     """The ``ep`` group of one experts module and its dispatch."""
 
-    def __init__(self, module: nn.Module, group: Any, size: int) -> None:
-        self.module, self.group, self.size = module, group, size
+    def __init__(self, module: nn.Module, mesh: Any) -> None:
+        copies, size = mesh.shape
+        self.module, self.mesh, self.group, self.size = module, mesh, mesh["ep"].get_group(), size
+        #: the replica group the dispatch sums the expert gradients over (None: one group,
+        #: or FSDP2 reduces them across the replicas)
+        self.replicas = mesh["ep_replicate"].get_group() if copies > 1 else None
+        self.world = copies * size  # the divisor that makes the sum a global mean
         self.count = expert_count(module)
         self.local_count = self.count // size
         self.forward = type(module).forward
@@ -95,10 +111,32 @@ class ExpertSplit:
     def _stacks(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The local stacks, in the activations' dtype (FSDP2's parameter cast under
         ``mixed_precision``; the gradient returns in the stacks' own), their gradient scaled."""
-        stacks = {name: _ScaleGrad.apply(param.to_local(), 1.0 / self.size)  # type: ignore[attr-defined]
+        stacks = {name: _ScaleGrad.apply(param.to_local(), 1.0 / self.world,  # type: ignore[attr-defined]
+                                         self.replicas)
                   for name, param in self.module.named_parameters(recurse=False)}
         return {name: stack.to(dtype) if stack.is_floating_point() else stack
                 for name, stack in stacks.items()}
+
+    def shard_over_replicas(self, shard: Any) -> None:
+        """Hand the expert stacks to FSDP2 over the replica dimension (``shard(module,
+        mesh)``: ``fully_shard``'s call): each rank then holds ``1 / world`` of every stack
+        between steps (its ``E / ep`` experts, sharded again across the replicas), gathered
+        within the replica dimension for the forward; FSDP2 averages their gradient across
+        the replicas, so the dispatch scales by ``1 / ep`` and all-reduces nothing. The
+        stacks become DTensors on the 1-D ``ep`` mesh first (FSDP2 composes its dimension
+        with a model-parallel one on the same parent mesh, as it does tensor parallel's)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self.replicas is None:
+            return
+        for name, param in list(self.module.named_parameters(recurse=False)):
+            local = DTensor.from_local(param.to_local(), self.mesh["ep"], [Shard(0)],  # type: ignore[attr-defined]
+                                       run_check=False)
+            stack = nn.Parameter(local, requires_grad=param.requires_grad)
+            setattr(stack, _MARK, True)
+            setattr(self.module, name, stack)
+        shard(self.module, self.mesh["ep_replicate"])
+        self.replicas, self.world = None, self.size
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -136,15 +174,22 @@ class ExpertSplit:
 
 
 def split_experts(module: nn.Module, mesh: Any) -> ExpertSplit:
-    """Split ``module``'s expert stacks over the 1-D ``mesh`` (each rank its ``E / ep``
-    experts, scattered from rank 0's copy) and route its forward through the dispatch."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """Split ``module``'s expert stacks over the ``(ep_replicate, ep)`` ``mesh`` (each rank
+    its ``E / ep`` experts, scattered from rank 0's copy, the same on every replica) and
+    route its forward through the dispatch."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    split = ExpertSplit(module, mesh.get_group(), int(mesh.size()))
+    split = ExpertSplit(module, mesh)
     for name, param in expert_stacks(module).items():
-        sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
+        sharded = distribute_tensor(param.detach(), mesh, [Replicate(), Shard(0)])
         stack = nn.Parameter(sharded, requires_grad=param.requires_grad)
         setattr(stack, _MARK, True)
         setattr(module, name, stack)
     module.forward = split
     return split
+
+
+def expert_splits(model: nn.Module) -> list[ExpertSplit]:
+    """The dispatch of every experts module :func:`split_experts` split in ``model``."""
+    return [split for module in model.modules()
+            if isinstance(split := module.__dict__.get("forward"), ExpertSplit)]

@@ -85,13 +85,15 @@ class ExpertParallel(Transform):
     with the expert first. In one process (or ``size=1``) it is a no-op.
 
     Args:
-        size: ranks the experts are split over; default every data rank (the only size
-            built yet: replicas of the experts across groups are not).
+        size: ranks the experts are split over (an expert group); default every data
+            rank. A smaller size that divides them makes ``world / size`` groups, replicas
+            of each other (ranks ``g*size`` to ``g*size + size - 1`` form group ``g``), whose
+            expert gradients are summed across them.
         experts: the experts module class (or its name) of a model of one's own.
 
     Raises:
         ConflictError: no experts module, an expert count the size does not divide, a size
-            other than the data ranks.
+            that does not divide the data ranks.
 
     Example:
         >>> pipe = sw.pipeline(sw.expert_parallel())  # Qwen3-MoE on 2 ranks: 4 experts each
@@ -123,10 +125,10 @@ class ExpertParallel(Transform):
         size = self.ep_size(env)
         if not env.is_distributed or size == 1:
             return bundle
-        if size != env.world_size:
-            raise ConflictError(f"{self!r}: {size} ranks per expert group of {env.world_size}: "
-                                "experts replicated across groups are not built yet; leave "
-                                f"size=None (every rank, {env.world_size})")
+        if env.world_size % size:
+            raise ConflictError(f"{self!r}: {size} ranks per expert group do not divide the "
+                                f"{env.world_size} ranks into replicas of the group; pick a "
+                                f"divisor of {env.world_size}")
         if is_rank0_weights(model) or weights_pending(model) is not None:
             raise ConflictError(f"{self!r}: a model built by sw.init_on_meta is not split into "
                                 "experts yet (its weights are on rank 0 only, or read after the "
@@ -151,7 +153,8 @@ class ExpertParallel(Transform):
         ensure_process_group(env)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(env.device.type, (size,), mesh_dim_names=("ep",))
+        mesh = init_device_mesh(env.device.type, (env.world_size // size, size),
+                                mesh_dim_names=("ep_replicate", "ep"))
         names = param_names(model)
         model.to(env.device)
         for _, module in found:
@@ -185,11 +188,14 @@ class ExpertParallel(Transform):
         size = self.ep_size(env)
         if not env.is_distributed or size == 1:
             return "one rank: every expert whole"
+        copies = env.world_size // size
+        groups = (f"; {copies} groups of {size} ranks, replicas of each other (expert "
+                  "gradients summed across them by all-reduce)") if copies > 1 else ""
         return (f"experts split over {size} ranks (1/{size} of every expert stack each, "
                 "DTensors sharded on the expert dimension); each token's choices sent to their "
-                "experts' ranks and back by all-to-all (uneven counts); the ranks read "
-                f"different batches; expert gradients scaled by 1/{size} (their ranks sum "
-                "every rank's tokens)")
+                "experts' ranks in its group and back by all-to-all (uneven counts); the ranks "
+                f"read different batches; expert gradients scaled by 1/{env.world_size} (a "
+                f"group's ranks sum its tokens){groups}")
 
 
 #: the public factory: the class itself, so its defaults are written once

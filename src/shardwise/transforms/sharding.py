@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -20,7 +21,7 @@ from shardwise.errors import ArgumentError, ConflictError
 from shardwise.meta_init import is_rank0_weights, materialise_from_rank0
 from shardwise.parallel.mesh import MeshLayout, data_mesh
 from shardwise.parallel.mesh import build as build_mesh
-from shardwise.parallel.moe_dispatch import is_expert_stack
+from shardwise.parallel.moe_dispatch import expert_splits, is_expert_stack
 from shardwise.plan import Plan
 from shardwise.policies import Policy, select
 from shardwise.transforms._checks import boolean, to_policy
@@ -153,12 +154,18 @@ class Shard(Distribution):
             if from_rank0 and env.is_main else None
         offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
                                   if plan.offload else OffloadPolicy())
-        # expert stacks expert_parallel split: their ranks hold different experts, and
-        # the dispatch gives each its gradient (nothing for FSDP2 to shard or reduce)
+        common: dict[str, Any] = dict(mp_policy=precision.fsdp_policy(plan.precision),
+                                      offload_policy=offload)
+        # expert stacks expert_parallel split into groups that are replicas of each other:
+        # FSDP2 shards each across the replicas (and averages its gradient there) first
+        for split in expert_splits(model):
+            split.shard_over_replicas(functools.partial(
+                _fully_shard_on, fully_shard, self.reshard_after_forward, common))
+        # stacks of one group over every rank: their ranks hold different experts, and the
+        # dispatch gives each its gradient (nothing for FSDP2 to shard or reduce)
         experts = {p for p in model.parameters() if is_expert_stack(p)}
-        options: dict[str, Any] = dict(
-            mesh=self._data_mesh(bundle), ignored_params=experts or None,
-            mp_policy=precision.fsdp_policy(plan.precision), offload_policy=offload)
+        options: dict[str, Any] = dict(mesh=self._data_mesh(bundle),
+                                       ignored_params=experts or None, **common)
         for _, block in blocks:  # bottom-up: deepest first, then the root
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         # the root is needed again as soon as backward starts: keeping it gathered saves an
@@ -226,3 +233,9 @@ class Shard(Distribution):
 
 #: the public factory: the class itself, so its defaults are written once
 shard = Shard
+
+
+def _fully_shard_on(fully_shard: Any, reshard: bool, options: dict[str, Any], module: Any,
+                    mesh: Any) -> None:
+    """``fully_shard(module)`` over ``mesh`` with the pipeline's precision and offload."""
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **options)

@@ -321,7 +321,7 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
 def _experts_split(model: nn.Module, experts: ExpertParallel, env: Env, engine: Engine,
                    parts: Any, layout: str, trained: set[int],
                    optimizer: torch.optim.Optimizer | None, batch: Any,
-                   precision_bytes: int) -> tuple[Any, str]:
+                   precision_bytes: int, layout_of_plan: Any = None) -> tuple[Any, str]:
     """``parts`` with each rank holding ``1/ep`` of the expert stacks, and the dispatch's
     rows in the working bytes: each MoE layer's rows sent and received, kept for backward
     (every token's choices, in the compute precision; the sample batch's ``input_ids``). An
@@ -331,7 +331,7 @@ def _experts_split(model: nn.Module, experts: ExpertParallel, env: Env, engine: 
     from shardwise.parallel.moe_dispatch import expert_stacks
     from shardwise.transforms.expert_parallelism import experts_modules
 
-    size = experts.ep_size(env)
+    size = experts.ep_size(env, layout_of_plan)
     found = experts_modules(model, experts.experts)
     stacks = [p for _, module in found for p in expert_stacks(module).values()]
     if not isinstance(engine, FSDPEngine):
@@ -403,9 +403,10 @@ def estimate_memory(model: nn.Module, pipeline: _HasTransforms | Sequence[Transf
                                             ckpt.policy if ckpt is not None else None)
     layout = parts.layout + (" + activation checkpointing" if ckpt is not None else "")
     experts = next((t for t in transforms if isinstance(t, ExpertParallel)), None)
-    if experts is not None and env.is_distributed and experts.ep_size(env) > 1:
+    if experts is not None and env.is_distributed and experts.ep_size(env, plan.mesh) > 1:
         parts, layout = _experts_split(model, experts, env, engine, parts, layout, trained,
-                                       optimizer, batch, precisions.dtype(plan.precision).itemsize)
+                                       optimizer, batch, precisions.dtype(plan.precision).itemsize,
+                                       plan.mesh)
     split = plan.size("cp")
     if split > 1:  # each rank a 1/split slice of every sequence (and, in attention, of the heads)
         layout += f" + context parallel over {split} (activations of the whole batch / {split})"

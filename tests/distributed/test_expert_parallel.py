@@ -8,6 +8,7 @@ from _moe import moe, token_batches
 from safetensors.torch import load_file
 
 import shardwise as sw
+from shardwise.parallel.mesh import data_share
 from shardwise.testing import full_state, run_distributed
 
 pytest.importorskip("transformers")
@@ -23,9 +24,10 @@ def trained(kind, parts, steps, optimizer="sgd", root=None, resume=None):
         torch.optim.AdamW(model.parameters(), lr=1e-2)
     bundle = sw.pipeline(env, *parts)(model, made)
     state = sw.load(resume, bundle) if resume is not None else bundle.init()
-    share = 4 // env.world_size
+    shares, index, _ = data_share(env, bundle.plan.mesh)  # a pipeline group shares its batch
+    share = 4 // shares
     for ids in token_batches()[state.step:steps]:
-        mine = ids[env.rank * share:(env.rank + 1) * share]
+        mine = ids[index * share:(index + 1) * share]
         state, _ = bundle.step(state, {"input_ids": mine, "labels": mine})
     if root is not None:
         sw.save(root, bundle, state)
@@ -180,3 +182,28 @@ def test_two_expert_groups_of_two_ranks_train_as_one_process(tmp_path, other):
     step = sorted(p for p in os.listdir(root) if p.startswith("step_"))[-1]
     alone, _ = trained("qwen3", [], 3, "sgd", None, os.path.join(root, step))
     assert all(torch.equal(alone[k], ranks[0][0][k]) for k in one)
+
+
+def test_pipeline_stages_times_expert_groups_on_four_ranks_train_as_one_process(tmp_path):
+    """pp=2 x ep=2 on 4 ranks: each stage's two data ranks split that stage's experts (ranks
+    0 and 2 hold stage 0, 1 and 3 stage 1), every microbatch's MoE layers dispatch inside
+    the stage's group, the other weights sharded over the two (the pipeline's default);
+    three SGD steps equal one process within 1e-5; the checkpoint saved there loads in one
+    process with those weights, and the export holds every expert whole."""
+    parts = [sw.pipeline_parallel(size=2), sw.expert_parallel()]
+    one = one_process("qwen3", 3)
+    seen, root = set(), str(tmp_path / "pp_ep")
+    ranks = run_distributed(trained, "qwen3", parts, 3, "sgd", root, world_size=4, timeout=300)
+    step = sorted(p for p in os.listdir(root) if p.startswith("step_"))[-1]
+    alone, _ = trained("qwen3", [], 3, "sgd", None, os.path.join(root, step))
+    exported = load_file(tmp_path / "pp_ep" / "hf" / "model.safetensors")
+    assert exported.keys() == alone.keys()
+    assert all(torch.equal(exported[k], v) for k, v in alone.items())
+    for weights, held in ranks:
+        assert all(torch.equal(alone[k], v) for k, v in weights.items())
+        experts = {n: c for n, c in held.items() if ".experts." in n}
+        assert experts and all(count == 4 for count in experts.values())  # 8 experts, ep=2
+        gap = max((weights[k] - one[k]).abs().max().item() for k in weights)  # its stage's
+        assert gap < 1e-5, gap
+        seen |= set(weights)
+    assert seen == set(one)

@@ -50,7 +50,7 @@ def test_what_it_is_not_combined_with_yet_is_refused_and_explained():
                        match=r"tensor_parallel\(\) is not combined with expert_parallel"):
         sw.pipeline(env, sw.expert_parallel(), sw.tensor_parallel())
     text = sw.pipeline(env, sw.expert_parallel()).explain()
-    assert "experts split over 2 ranks" in text and "all-to-all" in text
+    assert "experts split over every data rank" in text and "all-to-all" in text
     six = sw.Env(world_size=6, local_world_size=6, rank=0)
     text = sw.pipeline(six, sw.expert_parallel(size=2), sw.shard()).explain()
     assert "3 groups of 2 ranks, replicas of each other" in text

@@ -182,3 +182,9 @@ def test_a_transform_at_size_none_is_sized_from_the_one_layout_in_explain():
     estimate = sw.estimate_memory(heads8(), sw.pipeline(EIGHT, sw.pipeline_parallel(),
                                                         sw.tensor_parallel(size=2)))
     assert "pipeline parallel over 4 ranks" in estimate.layout
+    # shard() beside a pipeline or a context-parallel split shards over the data ranks of
+    # the mesh (it said the world's 8, from a layout of itself alone)
+    stages = sw.pipeline(EIGHT, sw.pipeline_parallel(size=2), sw.shard()).explain()
+    assert "each part sharded over 4 ranks (the mesh's dp_shard; dp_shard=4 x pp=2)" in stages
+    context = sw.pipeline(EIGHT, sw.context_parallel(size=2), sw.shard()).explain()
+    assert "sharded over 8 ranks (the mesh's dp_shard with cp folded in" in context

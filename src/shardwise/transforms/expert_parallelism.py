@@ -16,6 +16,7 @@ from shardwise.distributed import ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
 from shardwise.meta_init import is_rank0_weights, weights_pending
+from shardwise.parallel.mesh import MeshLayout
 from shardwise.parallel.moe_dispatch import (
     expert_count,
     expert_stacks,
@@ -112,23 +113,24 @@ class ExpertParallel(Transform):
         why = "is not combined with expert_parallel yet (the experts' own mesh beside " \
               "it is not built); replicate() or shard() the other weights"
         return {name: f"{name}() {why}" for name in
-                ("tensor_parallel", "pipeline_parallel", "context_parallel",
-                 "local_sgd", "shard_optimizer", "deepspeed")}
+                ("tensor_parallel", "context_parallel", "local_sgd", "shard_optimizer",
+                 "deepspeed")}
 
-    def ep_size(self, env: Env) -> int:
-        """Ranks the experts are split over under ``env``."""
-        return self.size if self.size is not None else env.world_size
+    def ep_size(self, env: Env, layout: MeshLayout | None = None) -> int:
+        """Ranks the experts are split over under ``env`` and the pipeline's mesh ``layout``
+        (default: every data rank, the ranks that read different batches)."""
+        return self.size if self.size is not None else _data_ranks(env, layout)
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)
-        env, model = bundle.env, bundle.model
-        size = self.ep_size(env)
+        env, model, layout = bundle.env, bundle.model, bundle.plan.mesh
+        size, data = self.ep_size(env, layout), _data_ranks(env, layout)
         if not env.is_distributed or size == 1:
             return bundle
-        if env.world_size % size:
+        if data % size:
             raise ConflictError(f"{self!r}: {size} ranks per expert group do not divide the "
-                                f"{env.world_size} ranks into replicas of the group; pick a "
-                                f"divisor of {env.world_size}")
+                                f"{data} data ranks into replicas of the group; pick a "
+                                f"divisor of {data}")
         if is_rank0_weights(model) or weights_pending(model) is not None:
             raise ConflictError(f"{self!r}: a model built by sw.init_on_meta is not split into "
                                 "experts yet (its weights are on rank 0 only, or read after the "
@@ -151,10 +153,7 @@ class ExpertParallel(Transform):
                 raise ConflictError(f"{self!r}: {name}: {exc}") from exc
         refuse_state(bundle.optimizer)
         ensure_process_group(env)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(env.device.type, (env.world_size // size, size),
-                                mesh_dim_names=("ep_replicate", "ep"))
+        mesh = _experts_mesh(env, layout, size)
         names = param_names(model)
         model.to(env.device)
         for _, module in found:
@@ -188,6 +187,12 @@ class ExpertParallel(Transform):
         size = self.ep_size(env)
         if not env.is_distributed or size == 1:
             return "one rank: every expert whole"
+        if self.size is None:
+            return ("experts split over every data rank (a slice of every expert stack each, "
+                    "DTensors sharded on the expert dimension); each token's choices sent to "
+                    "their experts' ranks and back by all-to-all (uneven counts); the ranks "
+                    "read different batches; expert gradients scaled by 1/data ranks (they sum "
+                    "every data rank's tokens)")
         copies = env.world_size // size
         groups = (f"; {copies} groups of {size} ranks, replicas of each other (expert "
                   "gradients summed across them by all-reduce)") if copies > 1 else ""
@@ -200,3 +205,23 @@ class ExpertParallel(Transform):
 
 #: the public factory: the class itself, so its defaults are written once
 expert_parallel = ExpertParallel
+
+
+def _data_ranks(env: Env, layout: MeshLayout | None) -> int:
+    """The ranks that read different batches: the world over one ``pp x cp x tp`` block."""
+    return layout.data_ranks(env.world_size) if layout is not None else env.world_size
+
+
+def _experts_mesh(env: Env, layout: MeshLayout | None, size: int) -> Any:
+    """The experts' mesh for this rank: its block coordinate's data ranks (the pipeline's
+    mesh puts the data dimensions outermost: data rank ``d`` of block position ``c`` is rank
+    ``d * block + c``) in groups of ``size``, ``(ep_replicate, ep)``: a slice of one 3-D mesh
+    ``(block, ep_replicate, ep)`` every rank builds, so FSDP2 finds one parent mesh."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    block = layout.copies if layout is not None else 1
+    data = env.world_size // block
+    ranks = torch.arange(env.world_size).reshape(data, block).T.reshape(block, data // size, size)
+    mesh = DeviceMesh(env.device.type, ranks, mesh_dim_names=("ep_block", "ep_replicate", "ep"))
+    return mesh["ep_replicate", "ep"]

@@ -214,6 +214,14 @@ class Shard(Distribution):
                     f"the mesh's data dimension(s) {' x '.join(mesh.data_names)} "
                     f"({mesh.data_ranks(env.world_size)} ranks; each tensor-parallel part "
                     f"sharded over {mesh.size('dp_shard')})")
+        if mesh is not None and mesh.copies > 1:  # pipeline stages, context-parallel groups
+            zero = "ZeRO-3 (reshard after forward)" if self.reshard_after_forward else \
+                "ZeRO-2 (keep parameters gathered between forward and backward)"
+            return (f"FSDP2 fully_shard on blocks chosen by {self.policy!r}, then the root; "
+                    f"each part sharded over {mesh.shard_ranks} ranks (the mesh's "
+                    f"{' x '.join(mesh.data_names)}{' with cp folded in' if mesh.cp > 1 else ''}"
+                    f"; {mesh.describe()}); {zero}"
+                    f"{'; gradients reduced every micro-batch' if self.sync_each_batch else ''}")
         return self.describe(env)
 
     def describe(self, env: Env) -> str:

@@ -253,7 +253,7 @@ def trainer_pipeline(args: Any) -> Pipeline:
 
 
 #: the launch config's distribution: the transforms that shard, split or replicate the model
-_DISTRIBUTION = (Stage.TENSOR_PARALLEL, Stage.DISTRIBUTION)
+_DISTRIBUTION = (Stage.EXPERT_PARALLEL, Stage.TENSOR_PARALLEL, Stage.DISTRIBUTION)
 
 
 def _with_launch(args: Any, own: list[Transform], launched: list[Transform]) -> list[Transform]:

@@ -207,3 +207,19 @@ def test_pipeline_stages_times_expert_groups_on_four_ranks_train_as_one_process(
         assert gap < 1e-5, gap
         seen |= set(weights)
     assert seen == set(one)
+
+
+def test_tensor_parallel_times_expert_groups_on_four_ranks_train_as_one_process():
+    """tp=2 x ep=2 on 4 ranks: tensor parallelism splits attention (Qwen3-MoE's own plan,
+    its q/k norms whole with their gradient summed across the group) and leaves the experts
+    to the dispatch; each tensor-parallel rank's data ranks (0 and 2, 1 and 3) split the
+    experts; the other weights sharded over the data ranks. Three SGD steps equal one
+    process within 1e-5."""
+    parts = [sw.tensor_parallel(size=2), sw.expert_parallel(), sw.shard()]
+    one = one_process("qwen3", 3)
+    for weights, held in run_distributed(trained, "qwen3", parts, 3, world_size=4,
+                                         timeout=300):
+        experts = {n: c for n, c in held.items() if ".experts." in n}
+        assert experts and all(count == 4 for count in experts.values())  # 8 experts, ep=2
+        gap = max((weights[k] - one[k]).abs().max().item() for k in one)
+        assert gap < 1e-5, gap

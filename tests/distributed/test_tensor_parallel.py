@@ -110,9 +110,27 @@ def nonfinite():
     return "no error", []
 
 
+def qwen3(parts):
+    """A tiny Qwen3 (its q/k norms after split projections: Transformers' plan keeps them
+    whole, their gradient summed across the group) after three SGD steps under ``parts``."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+        attn_implementation="sdpa"))
+    bundle = sw.pipeline(sw.detect(), *parts)(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    state, generator = bundle.init(), torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (4, 8), generator=generator)
+        state, _ = bundle.step(state, {"input_ids": ids, "labels": ids})
+    return full_state(bundle.model)
+
+
 def two_ranks():
     tp = [sw.tensor_parallel(size=2)]
-    return {"tp": train(tp), "tp_plain_loss": train(tp, weighted=False),
+    return {"tp": train(tp), "tp_plain_loss": train(tp, weighted=False), "qwen3": qwen3(tp),
             "tp_bf16": train(tp, precision="bf16"), "eval": evaluate(tp), "memory": memory(tp),
             "checkpointed": train([*tp, sw.checkpoint_activations()]),
             "compiled": train([*tp, sw.compile(backend="eager")]),
@@ -161,6 +179,16 @@ def test_tp2_matches_one_process(tp2, reference):
         assert run["losses"] == pytest.approx(reference["fp32"]["losses"], abs=1e-5)
         plain = rank["tp_plain_loss"]
         assert max_param_diff(plain["params"], reference["plain"]["params"]) <= 1e-5
+
+
+def test_a_qwen3_with_norms_after_split_heads_matches_one_process(tp2):
+    """Qwen3's plan keeps q_norm/k_norm whole ('replicated_with_grad_allreduce': each rank
+    normalises its own heads, the norm weights' gradient summed across the group, torch's
+    SequenceParallel style): three steps equal one process within 1e-5, the norms trained."""
+    one = qwen3([])
+    ranks = tp2[0]["qwen3"]
+    assert max((ranks[k] - one[k]).abs().max().item() for k in one) < 1e-5
+    assert not torch.allclose(one["model.layers.0.self_attn.q_norm.weight"], torch.ones(8))
 
 
 def test_tp2_with_activation_checkpointing_matches(tp2, reference):

@@ -47,8 +47,8 @@ def test_bad_arguments_are_refused_naming_them(kwargs, match):
 def test_what_it_is_not_combined_with_yet_is_refused_and_explained():
     env = sw.Env(world_size=2, local_world_size=2, rank=0)
     with pytest.raises(sw.errors.ConflictError,
-                       match=r"tensor_parallel\(\) is not combined with expert_parallel"):
-        sw.pipeline(env, sw.expert_parallel(), sw.tensor_parallel())
+                       match=r"context_parallel\(\) is not combined with expert_parallel"):
+        sw.pipeline(env, sw.expert_parallel(), sw.context_parallel())
     text = sw.pipeline(env, sw.expert_parallel()).explain()
     assert "experts split over every data rank" in text and "all-to-all" in text
     six = sw.Env(world_size=6, local_world_size=6, rank=0)

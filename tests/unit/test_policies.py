@@ -176,7 +176,8 @@ def test_transforms_applied_by_hand_out_of_order_are_refused():
         sw.mixed_precision("bf16")(bundle)
     msg = str(info.value)
     assert "mixed_precision(precision='bf16') (settings) cannot be applied after shard(" in msg
-    assert ("settings, pipeline_parallel, tensor_parallel, surgery, compile, distribution, "
+    assert ("settings, pipeline_parallel, expert_parallel, tensor_parallel, surgery, compile, "
+            "distribution, "
             "placement, optimizer, data") in msg
 
 

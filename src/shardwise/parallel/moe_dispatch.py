@@ -34,13 +34,16 @@ from torch import nn
 __all__ = ["ExpertSplit", "split_experts", "expert_splits", "expert_stacks", "expert_count",
            "is_expert_stack"]
 
-#: the mark a split expert stack carries (FSDP2 leaves it to the dispatch)
-_MARK = "_shardwise_expert_stack"
+#: the experts' mesh dimension: a DTensor on a mesh with it is an expert stack
+EP = "ep"
 
 
 def is_expert_stack(param: torch.Tensor) -> bool:
-    """Whether ``param`` is an expert stack :func:`split_experts` split."""
-    return bool(getattr(param, _MARK, False))
+    """Whether ``param`` is an expert stack :func:`split_experts` split: a DTensor on the
+    experts' mesh (known by its ``ep`` dimension, which survives ``module.to()`` and FSDP2
+    re-registering the parameter, where an attribute would not)."""
+    mesh = getattr(param, "device_mesh", None)
+    return mesh is not None and EP in (getattr(mesh, "mesh_dim_names", None) or ())
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -132,9 +135,7 @@ class ExpertSplit:
         for name, param in list(self.module.named_parameters(recurse=False)):
             local = DTensor.from_local(param.to_local(), self.mesh["ep"], [Shard(0)],  # type: ignore[attr-defined]
                                        run_check=False)
-            stack = nn.Parameter(local, requires_grad=param.requires_grad)
-            setattr(stack, _MARK, True)
-            setattr(self.module, name, stack)
+            setattr(self.module, name, nn.Parameter(local, requires_grad=param.requires_grad))
         shard(self.module, self.mesh["ep_replicate"])
         self.replicas, self.world = None, self.size
 
@@ -182,9 +183,7 @@ def split_experts(module: nn.Module, mesh: Any) -> ExpertSplit:
     split = ExpertSplit(module, mesh)
     for name, param in expert_stacks(module).items():
         sharded = distribute_tensor(param.detach(), mesh, [Replicate(), Shard(0)])
-        stack = nn.Parameter(sharded, requires_grad=param.requires_grad)
-        setattr(stack, _MARK, True)
-        setattr(module, name, stack)
+        setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     module.forward = split
     return split
 

@@ -32,6 +32,9 @@ STYLES: dict[str, tuple[str, bool, bool]] = {
     "rowwise_rep": ("rowwise", False, True),
     "rowwise_split_input": ("rowwise", False, True),
     "embedding_rowwise": ("rowwise", False, True),
+    # weights whole on every rank, inputs of this rank's own rows or heads (a q/k norm after
+    # split projections): the weights' gradients summed across the group
+    "replicated_with_grad_allreduce": ("replicated", False, False),
 }
 _ACCEPTED = ", ".join(STYLES)
 
@@ -92,8 +95,20 @@ def _matcher(pattern: str) -> re.Pattern[str]:
     return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
 
 
-def resolve(model: nn.Module, plan: Mapping[str, Any], size: int) -> dict[str, Any]:
+def _split_by_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is an experts module ``expert_parallel`` split (its own
+    parameters expert stacks): tensor parallelism leaves it to the dispatch."""
+    from shardwise.parallel.moe_dispatch import is_expert_stack
+
+    own = list(module.parameters(recurse=False))
+    return bool(own) and all(is_expert_stack(p) for p in own)
+
+
+def resolve(model: nn.Module, plan: Mapping[str, Any], size: int, *,
+            own: bool = False) -> dict[str, Any]:
     """Each module the plan splits, by its full name, with its style; checked against ``size``.
+    ``own``: the model's own plan, whose patterns may name modules some of its layers lack
+    (a mixture of experts' plan lists the dense layers' MLP): those match nothing, skipped.
 
     Raises:
         ConflictError: a pattern that matches no module, a module torch cannot split, a
@@ -101,8 +116,10 @@ def resolve(model: nn.Module, plan: Mapping[str, Any], size: int) -> dict[str, A
     """
     from shardwise.parallel.pp_stages import Elsewhere, all_module_names
 
-    # under pipeline_parallel a rank holds its stages' modules; the others are Elsewhere
-    modules = {n: m for n, m in model.named_modules() if not isinstance(m, Elsewhere)}
+    # under pipeline_parallel a rank holds its stages' modules; the others are Elsewhere;
+    # experts modules expert_parallel split are the dispatch's
+    modules = {n: m for n, m in model.named_modules()
+               if not isinstance(m, Elsewhere) and not _split_by_experts(m)}
     whole = all_module_names(model)
     chosen: dict[str, Any] = {}
     for pattern, style in plan.items():
@@ -113,7 +130,7 @@ def resolve(model: nn.Module, plan: Mapping[str, Any], size: int) -> dict[str, A
                                 "ParallelStyle objects) instead of 'auto'")
         matcher = _matcher(pattern)
         names = [n for n in modules if n and matcher.fullmatch(n)]
-        if not names and not any(n and matcher.fullmatch(n) for n in whole):
+        if not names and not own and not any(n and matcher.fullmatch(n) for n in whole):
             sample = ", ".join(n for n in list(modules)[1:6])
             raise ConflictError(f"tensor_parallel(): plan entry {pattern!r} matches no module of "
                                 f"{type(model).__name__} (its modules start {sample}, ...); fix "
@@ -139,7 +156,8 @@ def whole_owners(model: nn.Module, chosen: Mapping[str, Any]) -> list[str]:
     """
     owners = []
     for name, module in model.named_modules():
-        if name in chosen or not any(True for _ in module.parameters(recurse=False)):
+        if name in chosen or not any(True for _ in module.parameters(recurse=False)) \
+                or _split_by_experts(module):
             continue
         if any(True for _ in module.children()):
             own = ", ".join(n for n, _ in module.named_parameters(recurse=False))
@@ -155,7 +173,7 @@ def whole_owners(model: nn.Module, chosen: Mapping[str, Any]) -> list[str]:
 def split_dims(module: nn.Module, style: Any) -> dict[str, int | None]:
     """The dimension each of the module's own parameters is split on (None: replicated)."""
     kind = _kind(style)
-    if kind is None:
+    if kind is None or kind == "replicated":
         return {n: None for n, _ in module.named_parameters(recurse=False)}
     if isinstance(module, nn.Embedding):
         return {"weight": 1 if kind == "colwise" else 0}
@@ -177,8 +195,8 @@ def _kind(style: Any) -> str | None:
 
 
 def _check_module(name: str, module: nn.Module, style: Any, size: int) -> None:
-    if not isinstance(style, str):
-        return  # a torch style object: torch checks what it applies to
+    if not isinstance(style, str) or STYLES[style][0] == "replicated":
+        return  # a torch style object (torch checks what it applies to), or whole weights
     if not isinstance(module, (nn.Linear, nn.Embedding)):
         raise ConflictError(f"tensor_parallel(): {name} ({type(module).__name__}) cannot be split "
                             f"{style!r}: torch's ColwiseParallel/RowwiseParallel split nn.Linear "
@@ -240,6 +258,12 @@ def torch_style(module: nn.Module, style: Any) -> Any:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     kind, gathered, replicated_input = STYLES[style]
+    if kind == "replicated":  # torch's sequence-parallel style: weights Replicate, the input
+        # taken as this rank's shard (of rows: any dimension but the normalised last one),
+        # so the weights' gradient is a partial sum, all-reduced by DTensor
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
     if kind == "colwise":
         return ColwiseParallel(output_layouts=Replicate()) if gathered else ColwiseParallel()
     # an embedding's input (token ids) is whole on every rank

@@ -22,7 +22,9 @@ __all__ = ["Stage", "Transform", "Distribution", "plan_of", "plan_for", "check_c
 class Stage(enum.IntEnum):
     """The canonical order. Settings first, so every later stage can read them from the plan;
     pipeline parallelism next (torchtitan's order): it cuts the model into stages, and each
-    rank keeps only its stages' layers, which tensor and context parallelism then split;
+    rank keeps only its stages' layers, which expert, tensor and context parallelism then
+    split; expert parallelism before tensor parallelism (its experts modules become DTensors
+    on the experts' own mesh, which tensor parallelism then leaves alone);
     tensor parallelism before surgery (torchtitan's order): it splits the user's layers as
     they are, and activation checkpointing then wraps the split blocks' forwards; compile
     after checkpointing (a block is compiled with its recomputation) and before the
@@ -36,13 +38,14 @@ class Stage(enum.IntEnum):
 
     SETTINGS = 1
     PIPELINE_PARALLEL = 2
-    TENSOR_PARALLEL = 3
-    SURGERY = 4
-    COMPILE = 5
-    DISTRIBUTION = 6
-    PLACEMENT = 7
-    OPTIMIZER = 8
-    DATA = 9
+    EXPERT_PARALLEL = 3
+    TENSOR_PARALLEL = 4
+    SURGERY = 5
+    COMPILE = 6
+    DISTRIBUTION = 7
+    PLACEMENT = 8
+    OPTIMIZER = 9
+    DATA = 10
 
 
 class Transform:

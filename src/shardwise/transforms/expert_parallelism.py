@@ -102,7 +102,7 @@ class ExpertParallel(Transform):
 
     size: int | None = attrs.field(default=None, validator=group_size("every data rank"))
     experts: str | type | None = attrs.field(default=None, kw_only=True, validator=_experts)
-    stage: ClassVar[Stage] = Stage.TENSOR_PARALLEL
+    stage: ClassVar[Stage] = Stage.EXPERT_PARALLEL
     factory_name: ClassVar[str] = "expert_parallel"
     distributes: ClassVar[bool] = True
     #: the expert stacks are DTensors beside plain tensors: one foreach or fused kernel
@@ -113,8 +113,7 @@ class ExpertParallel(Transform):
         why = "is not combined with expert_parallel yet (the experts' own mesh beside " \
               "it is not built); replicate() or shard() the other weights"
         return {name: f"{name}() {why}" for name in
-                ("tensor_parallel", "context_parallel", "local_sgd", "shard_optimizer",
-                 "deepspeed")}
+                ("context_parallel", "local_sgd", "shard_optimizer", "deepspeed")}
 
     def ep_size(self, env: Env, layout: MeshLayout | None = None) -> int:
         """Ranks the experts are split over under ``env`` and the pipeline's mesh ``layout``

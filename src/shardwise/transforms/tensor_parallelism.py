@@ -18,6 +18,7 @@ from shardwise.env import Env
 from shardwise.errors import ConflictError
 from shardwise.meta_init import is_rank0_weights
 from shardwise.parallel.mesh import stage_peers, with_dimension
+from shardwise.parallel.moe_dispatch import is_expert_stack
 from shardwise.parallel.pp_stages import cut_from
 from shardwise.parallel.tp_plan import (
     check_plan_value,
@@ -47,7 +48,8 @@ def _from_first(model: nn.Module, peers: Any) -> None:
 
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, group=peers, group_src=0)
+            if not is_expert_stack(tensor):  # rank 0's experts, split already
+                dist.broadcast(tensor.data, group=peers, group_src=0)
 
 
 def _as_replicated(module: nn.Module, inputs: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
@@ -93,7 +95,8 @@ class TensorParallel(Transform):
         plan: ``"auto"``: the model's own plan (a Transformers model's ``_tp_plan`` /
             ``config.base_model_tp_plan``); or a dict of module-name patterns (``*`` for one
             name part) to styles: ``"colwise"``, ``"rowwise"``, ``"colwise_rep"`` (output
-            gathered), ``"rowwise_rep"`` (input whole), ``"embedding_rowwise"``, ... or
+            gathered), ``"rowwise_rep"`` (input whole), ``"embedding_rowwise"``,
+            ``"replicated_with_grad_allreduce"`` (weights whole, gradient summed), ... or
             torch ``ParallelStyle`` objects.
         size: ranks per tensor-parallel group; default all ranks of one node.
 
@@ -127,8 +130,9 @@ class TensorParallel(Transform):
 
     def resolved(self, model: nn.Module, size: int) -> dict[str, Any]:
         """Each module this plan splits (full name -> style), checked for ``size``."""
-        plan = model_plan(model) if self.plan == "auto" else dict(self.plan)  # type: ignore[arg-type]
-        return resolve(model, plan, size)
+        if self.plan == "auto":
+            return resolve(model, model_plan(model), size, own=True)
+        return resolve(model, dict(self.plan), size)  # type: ignore[arg-type]
 
     def local_shapes(self, model: nn.Module, size: int) -> dict[int, tuple[int, ...]]:
         """``id(parameter)`` -> the shape one rank holds, for each parameter split (of the
@@ -151,7 +155,7 @@ class TensorParallel(Transform):
         size = bundle.plan.size("tp")  # the pipeline's layout: this size is read, never worked out
         if not env.is_distributed or size == 1:
             return bundle
-        if any(is_dtensor(p) for p in model.parameters()) or \
+        if any(is_dtensor(p) and not is_expert_stack(p) for p in model.parameters()) or \
                 isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConflictError(f"{self!r}: the model is split or wrapped already "
                                 f"({type(model).__name__}); pass the bare module")

@@ -18,8 +18,8 @@ on 2 gloo ranks; its state is counted after the step and one more backward (para
 gradients and optimizer state all held at once), as ``memory_table.py`` does.
 
     OMP_NUM_THREADS=1 python benchmarks/scale.py [--sizes 8 64 256 1024] [--models 7B 70B 405B]
-        [--tp 8] [--context 8] [--pipeline 8] [--pipeline-tp 1 8] [--rank first|last]
-        [--no-real] [--json]
+        [--tp 8] [--context 8] [--pipeline 8] [--pipeline-tp 1 8] [--experts 16]
+        [--experts-pp 1 4] [--rank first|last] [--no-real] [--json]
 
 Tensor parallel rows (``--tp 8``): ``tensor_parallel(size=8)`` (the model's own plan) then
 ``shard()`` over the ``dp_shard`` dimension of a ``dp_shard x tp`` mesh, e.g. Llama-70B at
@@ -30,6 +30,12 @@ Llama-3.1-405B's shapes under ``pipeline_parallel(size=8)`` (+ ``tensor_parallel
 + ``shard()`` + bf16 on 1024 simulated ranks (dp_shard 128 x pp 8, and dp_shard 16 x pp 8 x
 tp 8): the rank the estimate names as needing the most (its stages' state, split and
 sharded, and the parameters they gather for compute), simulated, beside the estimate.
+
+Expert parallel rows (``--experts 16``, the default, with ``--experts-pp 1 4``): Qwen3-235B-A22B's
+shapes (94 layers of 128 experts, top-8) under ``expert_parallel(size=16)`` + ``shard()`` + bf16
+(+ ``pipeline_parallel(size=4)``) on 256 simulated ranks: each rank holds 1/16 of every expert
+stack, which FSDP2 shards again across the 16 (or 4) replica groups, and 1/256 (1/64 of its
+stages') of the other weights: the rank the estimate names, simulated, beside the estimate.
 
 Context parallel rows (``--context 8``, the default): Llama-3.1-8B's shapes under
 ``context_parallel(size=8)`` + ``shard()`` + bf16 + activation checkpointing on 8 simulated
@@ -75,6 +81,16 @@ PARTS = ("params", "grads", "optimizer")
 
 def llama(shape: str) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**SHAPES[shape]))
+
+
+def qwen3_235b() -> torch.nn.Module:
+    """Qwen3-235B-A22B's shapes: 94 layers, each 128 experts (top-8) of 1536 wide."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+        num_experts=128, num_experts_per_tok=8, num_hidden_layers=94, num_attention_heads=64,
+        num_key_value_heads=4, head_dim=128, tie_word_embeddings=False))
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -203,6 +219,34 @@ def simulate_pipeline(shape: str, world: int, pp: int, schedule: str, tp: int = 
                          "optimizer": found.optimizer_bytes}, "layout": found.layout}
 
 
+def simulate_experts(world: int, ep: int, pp: int) -> dict[str, Any]:
+    """The rank the estimate names as needing the most under expert_parallel(size=ep) +
+    shard() + bf16 (+ pipeline_parallel(size=pp)) over Qwen3-235B-A22B's shapes on meta:
+    the state it holds beside the estimate's."""
+    parts = [sw.expert_parallel(size=ep), sw.shard(), sw.mixed_precision("bf16")]
+    if pp > 1:
+        parts.append(sw.pipeline_parallel(size=pp))
+
+    def env_of(rank: int) -> sw.Env:
+        return sw.Env(world_size=world, rank=rank, local_rank=rank % NODE, local_world_size=NODE,
+                      node_rank=rank // NODE, num_nodes=world // NODE, backend="fake")
+
+    with torch.device("meta"):
+        model = qwen3_235b()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    found = sw.estimate_memory(model, parts, env_of(0), optimizer=optimizer)
+    # under pp "... rank R needs the most": its place in data rank 0's pipeline group
+    rank = int(found.layout.split("rank ", 1)[1].split(" ", 1)[0]) if pp > 1 else 0
+    simulated = held_after_step(env_of(rank), parts, model, optimizer)
+    data = world // pp
+    mesh = (f"dp_shard {data}" + (f" x pp {pp}" if pp > 1 else "")
+            + f"; ep {ep} x {data // ep} replicas")
+    return {"model": "Qwen3-235B-A22B", "ranks": world, "rank": rank, "mesh": mesh,
+            "simulated": simulated, "layout": found.layout,
+            "estimate": {"params": found.params_bytes, "grads": found.grads_bytes,
+                         "optimizer": found.optimizer_bytes}}
+
+
 def context_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | tokens | ranks | mesh | params / grads / optimizer MiB (held) | "
              "estimate MiB | activations MiB, whole sequence | per rank |",
@@ -262,7 +306,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256, 1024])
+    parser.add_argument("--sizes", type=int, nargs="*", default=[8, 64, 256, 1024],
+                        help="world sizes of the Llama rows (none: --sizes)")
     parser.add_argument("--models", nargs="+", choices=["7B", "70B", "405B"],
                         default=["7B", "70B"])
     parser.add_argument("--tp", type=int, nargs="*", default=[],
@@ -284,6 +329,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="each pipeline row also with tensor_parallel(size=T) (1: without)")
     parser.add_argument("--pipeline-model", default="405B", choices=list(SHAPES))
     parser.add_argument("--pipeline-ranks", type=int, default=1024)
+    parser.add_argument("--experts", type=int, nargs="*", default=[16],
+                        help="expert_parallel(size=E) x shard() rows: Qwen3-235B-A22B on "
+                             "--experts-ranks ranks (none: --experts)")
+    parser.add_argument("--experts-pp", type=int, nargs="+", default=[1, 4],
+                        help="each expert row also with pipeline_parallel(size=P) (1: without)")
+    parser.add_argument("--experts-ranks", type=int, default=256)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     rows = []
@@ -310,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     context = [simulate_context("8B", cp, cp, 131072) for cp in args.context]
     rows += [simulate_pipeline(args.pipeline_model, args.pipeline_ranks, pp, "1F1B", tp)
              for pp in args.pipeline for tp in args.pipeline_tp]
+    rows += [simulate_experts(args.experts_ranks, ep, pp)
+             for ep in args.experts for pp in args.experts_pp]
     if args.json:
         print(json.dumps(rows + context))
         return

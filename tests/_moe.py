@@ -7,7 +7,8 @@ from torch import nn
 
 
 def moe(kind, seed=0):
-    """A tiny MoE language model: ``qwen3`` (8 experts, top-2, stacked gate_up/down),
+    """A tiny MoE language model: ``qwen3`` (8 experts, top-2, stacked gate_up/down;
+    ``qwen3_two``: 2 experts, top-1),
     ``mixtral`` (4 experts), ``gptoss`` (4 experts with biases, interleaved gate/up and its
     clamped SwiGLU, its own forward's argument names), ``own`` and ``own_skewed``
     (:class:`OwnMoE`)."""
@@ -22,6 +23,10 @@ def moe(kind, seed=0):
         return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
             **common, intermediate_size=64, moe_intermediate_size=16, num_experts=8, head_dim=8,
             attn_implementation="sdpa"))
+    if kind == "qwen3_two":  # 2 experts, top-1: fewer a rank than replicas on 4 ranks at ep=2
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+            **{**common, "num_experts_per_tok": 1}, intermediate_size=64,
+            moe_intermediate_size=16, num_experts=2, head_dim=8, attn_implementation="sdpa"))
     if kind == "mixtral":
         return T.MixtralForCausalLM(T.MixtralConfig(
             **common, intermediate_size=16, num_local_experts=4, attn_implementation="sdpa"))

@@ -292,13 +292,19 @@ def _staged(model: nn.Module, staged: Any, env: Env, plan: Any, transforms: list
         # each rank of a context-parallel group a 1/cp slice of every sequence
         per_stage = [-(-a // sliced) if a is not None else None for a in per_stage]
     best: tuple[int, int, Any, int | None] | None = None
+    experts = next((t for t in transforms if isinstance(t, ExpertParallel)), None)
     for rank in range(size):
         held = held_modules(model, split, schedule.stages_on(rank, size))
+        mine = trained & {id(p) for p in held.parameters()}
         parts = engine.memory(
-            held, env, trained=trained & {id(p) for p in held.parameters()},
-            optimizer_layout=_optimizer_layout(optimizer),
+            held, env, trained=mine, optimizer_layout=_optimizer_layout(optimizer),
             precision_bytes=precisions.dtype(plan.precision).itemsize,
             accumulating=plan.accumulation_steps > 1)
+        if experts is not None and experts.ep_size(env, plan.mesh) > 1:  # its stages' experts
+            parts, with_experts = _experts_split(
+                held, experts, env, engine, parts, parts.layout, mine, optimizer, batch,
+                precisions.dtype(plan.precision).itemsize, plan.mesh)
+            parts = attrs.evolve(parts, layout=with_experts)
         activations = None if not per_stage or any(a is None for a in per_stage) else \
             in_flight(order[rank], lambda s: per_stage[s] or 0)
         total = (parts.params_bytes + parts.grads_bytes + parts.optimizer_bytes
@@ -327,16 +333,27 @@ def _experts_split(model: nn.Module, experts: ExpertParallel, env: Env, engine: 
     (every token's choices, in the compute precision; the sample batch's ``input_ids``). An
     engine that shards every parameter over the same ranks (``shard()`` beside it) counted
     the stacks split already."""
-    from shardwise.engines.fsdp import FSDPEngine
-    from shardwise.parallel.moe_dispatch import expert_stacks
+    from shardwise.engines.fsdp import FSDPEngine, shard_numel
+    from shardwise.parallel.moe_dispatch import expert_stacks, held_numel
     from shardwise.transforms.expert_parallelism import experts_modules
 
     size = experts.ep_size(env, layout_of_plan)
+    data = layout_of_plan.data_ranks(env.world_size) if layout_of_plan is not None \
+        else env.world_size
     found = experts_modules(model, experts.experts)
     stacks = [p for _, module in found for p in expert_stacks(module).values()]
-    if not isinstance(engine, FSDPEngine):
-        gone = sum(p.numel() for p in stacks) * (1 - 1 / size)
-        trained_gone = sum(p.numel() for p in stacks if id(p) in trained) * (1 - 1 / size)
+    fsdp = isinstance(engine, FSDPEngine)
+    copies = data // size if fsdp else 1  # FSDP2 splits them again across the replicas
+
+    def counted(p: torch.Tensor) -> int:  # what the engine's count gave the stack
+        if isinstance(engine, FSDPEngine):
+            return shard_numel(tuple(p.shape), engine.shard_ranks)
+        return p.numel()
+
+    if stacks:
+        gone = sum(counted(p) - held_numel(tuple(p.shape), size, copies) for p in stacks)
+        trained_gone = sum(counted(p) - held_numel(tuple(p.shape), size, copies)
+                           for p in stacks if id(p) in trained)
         per_element, _ = _optimizer_layout(optimizer)
         parts = attrs.evolve(parts, params_bytes=int(parts.params_bytes - gone * 4),
                              grads_bytes=int(parts.grads_bytes - trained_gone * 4),
@@ -348,7 +365,8 @@ def _experts_split(model: nn.Module, experts: ExpertParallel, env: Env, engine: 
     if isinstance(choices, int) and isinstance(ids, torch.Tensor) and found:
         width = int(getattr(config, "hidden_size", 0))
         dispatch = len(found) * 2 * ids.numel() * choices * width * precision_bytes
-    layout += f" + experts split over {size} ranks (1/{size} of every expert stack each)"
+    layout += f" + experts split over {size} ranks (1/{size} of every expert stack each" + (
+        f", sharded again across {copies} replicas)" if copies > 1 else ")")
     if dispatch:
         parts = attrs.evolve(parts, working_bytes=parts.working_bytes + dispatch)
         layout += f" + the dispatch's rows ({dispatch / 2**20:.1f} MiB)"

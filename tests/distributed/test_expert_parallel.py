@@ -162,25 +162,27 @@ def test_experts_that_get_no_token_still_step_as_in_one_process():
         assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5
 
 
-@pytest.mark.parametrize("other", ["replicate", "shard"])
-def test_two_expert_groups_of_two_ranks_train_as_one_process(tmp_path, other):
+@pytest.mark.parametrize("kind,other,held_rows", [
+    ("qwen3", "replicate", 4), ("qwen3", "shard", 2), ("qwen3_two", "shard", 1)],
+    ids=["replicate", "shard", "shard_by_rows"])
+def test_two_expert_groups_of_two_ranks_train_as_one_process(tmp_path, kind, other, held_rows):
     """ep=2 on 4 ranks: two groups of two ranks, replicas of each other, each rank half of
-    every expert stack (under shard() FSDP2 shards that half again across the replicas: a
-    quarter); the other weights replicated or sharded by FSDP2 over all 4. Three SGD steps
-    on the global batch (each rank its row) equal one process within 1e-5; the checkpoint
-    saved there loads in one process with those weights."""
+    every expert stack (under shard() FSDP2 shards that half again across the replicas: by
+    expert, a quarter each; with 2 experts, one a rank, by each expert's rows); the other
+    weights replicated or sharded by FSDP2 over all 4. Three SGD steps on the global batch
+    (each rank its row) equal one process within 1e-5; the checkpoint saved there loads in
+    one process with those weights."""
     parts = [sw.expert_parallel(size=2), getattr(sw, other)()]
-    one = one_process("qwen3", 3)
+    one = one_process(kind, 3)
     root = str(tmp_path / "ep")
-    ranks = run_distributed(trained, "qwen3", parts, 3, "sgd", root, world_size=4, timeout=300)
+    ranks = run_distributed(trained, kind, parts, 3, "sgd", root, world_size=4, timeout=300)
     for weights, held in ranks:
         experts = {n: c for n, c in held.items() if ".experts." in n}
-        held_rows = 4 if other == "replicate" else 2  # 8 experts / ep 2 (/ 2 replicas)
         assert experts and all(count == held_rows for count in experts.values()), experts
         gap = max((weights[k] - one[k]).abs().max().item() for k in one)
         assert gap < 1e-5, gap
     step = sorted(p for p in os.listdir(root) if p.startswith("step_"))[-1]
-    alone, _ = trained("qwen3", [], 3, "sgd", None, os.path.join(root, step))
+    alone, _ = trained(kind, [], 3, "sgd", None, os.path.join(root, step))
     assert all(torch.equal(alone[k], ranks[0][0][k]) for k in one)
 
 

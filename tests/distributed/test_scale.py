@@ -139,3 +139,30 @@ def test_estimate_matches_the_busiest_stage_split_by_tensor_parallel(rows):
     assert held["grads"] == pytest.approx(staged["grads"], rel=1e-3)
     for part in PARTS:
         assert within(est[part], held[part], 0.01), (part, est[part], held[part])
+
+
+QWEN3_235B_PARAMS = 235_093_634_560
+
+
+def test_estimate_matches_a_simulated_qwen3_235b_under_expert_parallel():
+    """Qwen3-235B-A22B's shapes on 256 simulated ranks under expert_parallel(size=16) x
+    shard() (+ pipeline_parallel(size=4)): every expert stack 1/16 a rank, sharded again by
+    FSDP2 across the replica groups (8 experts over 16 replicas: by rows), the rest sharded
+    over the data ranks; the estimate equals what the busiest rank holds (within 0.1%), and
+    without stages a rank holds 1/256 of the model."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "--no-real", "--context",
+                           "--pipeline", "--experts", "16", "--experts-pp", "1", "4", "--json"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["mesh"] for r in rows] == ["dp_shard 256; ep 16 x 16 replicas",
+                                         "dp_shard 64 x pp 4; ep 16 x 4 replicas"]
+    for row in rows:
+        held, est = row["simulated"], row["estimate"]
+        for part in PARTS:
+            assert within(est[part], held[part], 0.001), (row["mesh"], part, est[part],
+                                                           held[part])
+    flat = rows[0]["simulated"]
+    assert flat["grads"] == pytest.approx(QWEN3_235B_PARAMS * 4 / 256, rel=1e-3)
+    assert "sharded again across 4 replicas" in rows[1]["layout"]

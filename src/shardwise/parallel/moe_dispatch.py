@@ -25,6 +25,8 @@ the global batch's mean as the other weights' averaged one does.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["ExpertSplit", "split_experts", "expert_splits", "expert_stacks", "expert_count",
-           "is_expert_stack"]
+           "is_expert_stack", "rows_split", "held_numel"]
 
 #: the experts' mesh dimension: a DTensor on a mesh with it is an expert stack
 EP = "ep"
@@ -74,6 +76,27 @@ class _LocalExperts:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_module"], name)
+
+
+def rows_split(local_count: int, copies: int) -> bool:
+    """Whether FSDP2 splits a rank's ``local_count`` experts across ``copies`` replicas by
+    expert (dim 0): when they divide; else by each expert's rows (dim 1), since splitting
+    fewer experts than replicas by expert would leave some replicas none and others a whole
+    expert (torchtitan splits dim 1 there too)."""
+    return local_count % copies == 0
+
+
+def held_numel(shape: tuple[int, ...], size: int, copies: int) -> int:
+    """Elements of an expert stack of ``shape`` one rank holds: its ``1/size`` of the
+    experts, split again across ``copies`` replicas by FSDP2 (as :func:`rows_split` says;
+    ``copies == 1``: whole)."""
+    local = shape[0] // size
+    rest = math.prod(shape[1:])
+    if copies == 1:
+        return local * rest
+    if rows_split(local, copies) or len(shape) < 2:
+        return -(-local // copies) * rest
+    return local * -(-shape[1] // copies) * math.prod(shape[2:])
 
 
 def expert_count(module: nn.Module) -> int:
@@ -132,6 +155,10 @@ class ExpertSplit:
 
         if self.replicas is None:
             return
+        if not rows_split(self.local_count, self.mesh.shape[0]):
+            from torch.distributed.tensor import Shard as ShardOn
+
+            shard = functools.partial(shard, placement=lambda param: ShardOn(1))
         for name, param in list(self.module.named_parameters(recurse=False)):
             local = DTensor.from_local(param.to_local(), self.mesh["ep"], [Shard(0)],  # type: ignore[attr-defined]
                                        run_check=False)

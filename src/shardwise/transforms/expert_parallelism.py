@@ -154,7 +154,8 @@ class ExpertParallel(Transform):
         ensure_process_group(env)
         mesh = _experts_mesh(env, layout, size)
         names = param_names(model)
-        model.to(env.device)
+        if not all(p.is_meta for p in model.parameters()):  # a meta model: shapes only
+            model.to(env.device)
         for _, module in found:
             split_experts(module, mesh)
         rebind_optimizer(bundle.optimizer, names, model)

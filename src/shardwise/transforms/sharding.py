@@ -244,6 +244,8 @@ shard = Shard
 
 
 def _fully_shard_on(fully_shard: Any, reshard: bool, options: dict[str, Any], module: Any,
-                    mesh: Any) -> None:
-    """``fully_shard(module)`` over ``mesh`` with the pipeline's precision and offload."""
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **options)
+                    mesh: Any, placement: Any = None) -> None:
+    """``fully_shard(module)`` over ``mesh`` with the pipeline's precision and offload (and
+    ``placement``: FSDP2's ``shard_placement_fn``, each parameter's dimension to shard)."""
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=placement,
+                **options)

@@ -171,7 +171,7 @@ def test_two_expert_groups_of_two_ranks_train_as_one_process(tmp_path, kind, oth
     expert, a quarter each; with 2 experts, one a rank, by each expert's rows); the other
     weights replicated or sharded by FSDP2 over all 4. Three SGD steps on the global batch
     (each rank its row) equal one process within 1e-5; the checkpoint saved there loads in
-    one process with those weights."""
+    one process with those weights, and (sharded) at ep=4 on the same 4 ranks."""
     parts = [sw.expert_parallel(size=2), getattr(sw, other)()]
     one = one_process(kind, 3)
     root = str(tmp_path / "ep")
@@ -184,6 +184,10 @@ def test_two_expert_groups_of_two_ranks_train_as_one_process(tmp_path, kind, oth
     step = sorted(p for p in os.listdir(root) if p.startswith("step_"))[-1]
     alone, _ = trained(kind, [], 3, "sgd", None, os.path.join(root, step))
     assert all(torch.equal(alone[k], ranks[0][0][k]) for k in one)
+    if (kind, other) == ("qwen3", "shard"):  # and at another expert-parallel size: 4 ranks
+        wider = run_distributed(trained, kind, [sw.expert_parallel(), sw.shard()], 3, "sgd",
+                                None, os.path.join(root, step), world_size=4, timeout=300)
+        assert all(torch.equal(alone[k], wider[0][0][k]) for k in one)
 
 
 def test_pipeline_stages_times_expert_groups_on_four_ranks_train_as_one_process(tmp_path):

@@ -132,6 +132,8 @@ def test_nothing_asked_changes_nothing():
      r"dp_replicate_size=2, but this run has 1 node"),
     ({"parallelism_config_tp_size": "two"}, r"parallelism_config_tp_size='two'"),
     ({"parallelism_config_pp_size": 2}, r"parallelism_config_pp_size"),
+    # Accelerate has no expert parallelism: a key naming it is refused by name
+    ({"parallelism_config_ep_size": 2}, r"unknown key.*parallelism_config_ep_size"),
 ])
 def test_bad_sizes_are_refused_naming_the_key(tmp_path, change, message):
     data = {**YAML, "parallelism_config": {**YAML["parallelism_config"], **change}}

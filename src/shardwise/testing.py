@@ -30,7 +30,8 @@ from shardwise.distributed import leave_group
 from shardwise.errors import RankFailedError
 
 __all__ = [
-    "run_distributed", "free_port", "full_state", "PeakGrowth", "max_param_diff", "TinyMLP",
+    "run_distributed", "process_context", "free_port", "full_state", "PeakGrowth",
+    "max_param_diff", "TinyMLP",
     "TinyTransformerLM", "TinyDecoderBlock", "SyntheticTokens", "SyntheticRegression",
 ]
 
@@ -61,9 +62,16 @@ PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.dist
              "shardwise", "shardwise.testing"]
 
 
-def _context() -> Any:
-    """Fresh processes forked from a server that imported torch and shardwise once (a start
-    costs no import), where the platform has one; else spawned."""
+def process_context() -> Any:
+    """A ``multiprocessing`` context whose processes are fresh forks of a server that
+    imported torch and shardwise once (a start costs no import), where the platform has
+    one; else spawned. What :func:`run_distributed` starts its ranks with; for a test that
+    starts (and kills) a process of its own.
+
+    Example:
+        >>> ctx = process_context()
+        >>> proc = ctx.Process(target=train, args=(path,)); proc.start(); proc.kill()
+    """
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -94,7 +102,7 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2,
     """
     if backend != "gloo":
         raise ValueError(f"run_distributed() runs CPU ranks on 'gloo' (got backend={backend!r})")
-    ctx = _context()
+    ctx = process_context()
     queue = ctx.SimpleQueue()
     port = free_port()
     environ = dict(os.environ)

@@ -7,9 +7,6 @@ after every rank's files are written, and a failure publishes nothing."""
 import os
 import random
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -17,7 +14,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.testing import run_distributed
+from shardwise.testing import process_context, run_distributed
 
 from _background_save import resume, train
 from _checkpointing import equal
@@ -56,39 +53,36 @@ def test_fit_with_async_checkpoints_waits_at_the_end(tmp_path):
 
 # -- a process killed while a save is in flight leaves the previous checkpoint intact ---------
 
-KILLED = textwrap.dedent("""
-    import sys, torch
-    import shardwise as sw
+def saving_forever(path, ready):
+    """Trains and saves in the background, step after step, until killed."""
     from shardwise.testing import TinyTransformerLM
+
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab=64, dim=192, heads=4, layers=4)   # ~2 MB of state per save
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    bundle = sw.pipeline(sw.Env())(model, opt)
+    bundle = sw.pipeline(sw.Env())(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     state = bundle.init()
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    print("ready", flush=True)
+    ready.set()
     while True:
         state, _ = bundle.step(state, {"input_ids": ids, "labels": ids})
-        sw.save(sys.argv[1], bundle, state, keep_last=2, blocking=False)
-""")
+        sw.save(path, bundle, state, keep_last=2, blocking=False)
 
 
 def test_sigkill_while_saving_in_the_background_leaves_latest_intact(tmp_path):
     """Killed at random moments (many trials): ``latest`` always names a complete checkpoint
     that verifies and loads."""
-    script = tmp_path / "train.py"
-    script.write_text(KILLED)
     path = tmp_path / "ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ctx = process_context()  # a fresh process each trial, forked with torch imported
     rng = random.Random(0)
     killed_with_latest = in_flight = 0
     for _ in range(12):
-        proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=env)
-        assert proc.stdout.readline().strip() == b"ready"
+        ready = ctx.Event()
+        proc = ctx.Process(target=saving_forever, args=(str(path), ready))
+        proc.start()
+        assert ready.wait(60)
         time.sleep(rng.uniform(0.05, 1.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
         in_flight += bool(list(path.glob(".tmp.step_*")))  # killed mid-save: left unpublished
         latest = sw.latest_checkpoint(path)
         if latest is None:

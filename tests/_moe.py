@@ -23,6 +23,10 @@ def moe(kind, seed=0):
         return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
             **common, intermediate_size=64, moe_intermediate_size=16, num_experts=8, head_dim=8,
             attn_implementation="sdpa"))
+    if kind == "qwen3_dense_first":  # layer 0 a dense MLP: a pipeline stage without experts
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+            **common, intermediate_size=64, moe_intermediate_size=16, num_experts=8, head_dim=8,
+            mlp_only_layers=[0], attn_implementation="sdpa"))
     if kind == "qwen3_two":  # 2 experts, top-1: fewer a rank than replicas on 4 ranks at ep=2
         return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
             **{**common, "num_experts_per_tok": 1}, intermediate_size=64,

@@ -328,11 +328,11 @@ def _experts_split(model: nn.Module, experts: ExpertParallel, env: Env, engine: 
                    parts: Any, layout: str, trained: set[int],
                    optimizer: torch.optim.Optimizer | None, batch: Any,
                    precision_bytes: int, layout_of_plan: Any = None) -> tuple[Any, str]:
-    """``parts`` with each rank holding ``1/ep`` of the expert stacks, and the dispatch's
-    rows in the working bytes: each MoE layer's rows sent and received, kept for backward
-    (every token's choices, in the compute precision; the sample batch's ``input_ids``). An
-    engine that shards every parameter over the same ranks (``shard()`` beside it) counted
-    the stacks split already."""
+    """``parts`` with each rank holding ``1/ep`` of the expert stacks (beside ``shard()``
+    with replica groups, split again across them as FSDP2 splits them: the engine's count
+    of each stack is replaced by that), and the dispatch's rows in the working bytes: each
+    MoE layer's rows sent and received, kept for backward (every token's choices, in the
+    compute precision; the sample batch's ``input_ids``)."""
     from shardwise.engines.fsdp import FSDPEngine, shard_numel
     from shardwise.parallel.moe_dispatch import expert_stacks, held_numel
     from shardwise.transforms.expert_parallelism import experts_modules

@@ -14,11 +14,12 @@ from shardwise.testing import full_state, run_distributed
 pytest.importorskip("transformers")
 
 
-def trained(kind, parts, steps, optimizer="sgd", root=None, resume=None):
+def trained(kind, parts, steps, optimizer="sgd", root=None, resume=None, own_seeds=False):
     """``kind`` under ``parts`` after ``steps`` of :func:`token_batches` on the global batch
     of 4 rows (each rank its rows), from ``resume`` if given; saved and exported to
-    ``root`` if given: the whole weights (and the experts each rank holds)."""
-    model = moe(kind)
+    ``root`` if given: the whole weights (and the local shape of each split parameter).
+    ``own_seeds``: each rank builds the model from a seed of its own (rank 0's is 0)."""
+    model = moe(kind, seed=sw.detect().rank if own_seeds else 0)
     env = sw.detect()
     made = torch.optim.SGD(model.parameters(), lr=0.5) if optimizer == "sgd" else \
         torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -32,7 +33,7 @@ def trained(kind, parts, steps, optimizer="sgd", root=None, resume=None):
     if root is not None:
         sw.save(root, bundle, state)
         sw.export(os.path.join(root, "hf"), bundle)
-    held = {name: p.to_local().shape[0] for name, p in bundle.engine.unwrap(
+    held = {name: tuple(p.to_local().shape) for name, p in bundle.engine.unwrap(
         bundle.model).named_parameters() if hasattr(p, "to_local")}
     return full_state(bundle.model), held
 
@@ -53,7 +54,7 @@ def test_experts_split_over_two_ranks_train_as_one_process(kind):
     base = moe(kind).state_dict()
     assert max((base[k] - one[k]).abs().max().item() for k in one) > 1e-2  # it trained
     for weights, held in ranks:
-        assert held and all(count * 2 == one[name].shape[0] for name, count in held.items())
+        assert held and all(shape[0] * 2 == one[name].shape[0] for name, shape in held.items())
         assert weights.keys() == one.keys()
         gap = max((weights[k] - one[k]).abs().max().item() for k in one)
         assert gap < 1e-5, gap
@@ -124,9 +125,9 @@ def test_beside_shard_the_other_weights_are_sharded_and_a_checkpoint_resumes_alo
     ranks = run_distributed(trained, "qwen3", parts, 3, world_size=2, timeout=120)
     for weights, held in ranks:
         assert max((weights[k] - one[k]).abs().max().item() for k in one) < 1e-5
-        experts = {n: c for n, c in held.items() if ".experts." in n}
+        experts = {n: shape[0] for n, shape in held.items() if ".experts." in n}
         assert experts and all(count == 4 for count in experts.values())  # 8 experts, 2 ranks
-        assert held["model.embed_tokens.weight"] == 32  # FSDP2's half of 64 rows
+        assert held["model.embed_tokens.weight"][0] == 32  # FSDP2's half of 64 rows
     root = str(tmp_path / "ep")
     (saved, _), _ = run_distributed(trained, "qwen3", parts, 2, "sgd", root, world_size=2,
                                     timeout=120)
@@ -177,8 +178,10 @@ def test_two_expert_groups_of_two_ranks_train_as_one_process(tmp_path, kind, oth
     root = str(tmp_path / "ep")
     ranks = run_distributed(trained, kind, parts, 3, "sgd", root, world_size=4, timeout=300)
     for weights, held in ranks:
-        experts = {n: c for n, c in held.items() if ".experts." in n}
-        assert experts and all(count == held_rows for count in experts.values()), experts
+        experts = {n: shape for n, shape in held.items() if ".experts." in n}
+        assert experts and all(shape[0] == held_rows for shape in experts.values()), experts
+        if kind == "qwen3_two":  # one expert a rank, its rows halved across the replicas
+            assert all(shape[1] * 2 == one[n].shape[1] for n, shape in experts.items()), experts
         gap = max((weights[k] - one[k]).abs().max().item() for k in one)
         assert gap < 1e-5, gap
     step = sorted(p for p in os.listdir(root) if p.startswith("step_"))[-1]
@@ -207,7 +210,7 @@ def test_pipeline_stages_times_expert_groups_on_four_ranks_train_as_one_process(
     assert all(torch.equal(exported[k], v) for k, v in alone.items())
     for weights, held in ranks:
         assert all(torch.equal(alone[k], v) for k, v in weights.items())
-        experts = {n: c for n, c in held.items() if ".experts." in n}
+        experts = {n: shape[0] for n, shape in held.items() if ".experts." in n}
         assert experts and all(count == 4 for count in experts.values())  # 8 experts, ep=2
         gap = max((weights[k] - one[k]).abs().max().item() for k in weights)  # its stage's
         assert gap < 1e-5, gap
@@ -223,9 +226,23 @@ def test_tensor_parallel_times_expert_groups_on_four_ranks_train_as_one_process(
     process within 1e-5."""
     parts = [sw.tensor_parallel(size=2), sw.expert_parallel(), sw.shard()]
     one = one_process("qwen3", 3)
-    for weights, held in run_distributed(trained, "qwen3", parts, 3, world_size=4,
-                                         timeout=300):
-        experts = {n: c for n, c in held.items() if ".experts." in n}
+    for weights, held in run_distributed(trained, "qwen3", parts, 3, "sgd", None, None, True,
+                                         world_size=4, timeout=300):
+        experts = {n: shape[0] for n, shape in held.items() if ".experts." in n}
         assert experts and all(count == 4 for count in experts.values())  # 8 experts, ep=2
         gap = max((weights[k] - one[k]).abs().max().item() for k in one)
         assert gap < 1e-5, gap
+
+
+def test_a_pipeline_stage_without_experts_does_not_stop_the_others():
+    """Qwen3-MoE with a dense first layer under pp=2 x ep=2 on 4 ranks: stage 0 holds no
+    experts module (its ranks agree with the others instead of refusing alone, which left
+    them waiting in the experts' mesh), stage 1 splits its experts; equal to one process."""
+    parts = [sw.pipeline_parallel(size=2), sw.expert_parallel()]
+    one = one_process("qwen3_dense_first", 3)
+    held_experts = []
+    for weights, held in run_distributed(trained, "qwen3_dense_first", parts, 3, world_size=4,
+                                         timeout=300):
+        held_experts.append(any(".experts." in n for n in held))
+        assert max((weights[k] - one[k]).abs().max().item() for k in weights) < 1e-5
+    assert held_experts == [False, True, False, True]  # stage 0: ranks 0 and 2

@@ -50,10 +50,16 @@ def test_what_it_is_not_combined_with_yet_is_refused_and_explained():
                        match=r"context_parallel\(\) is not combined with expert_parallel"):
         sw.pipeline(env, sw.expert_parallel(), sw.context_parallel())
     text = sw.pipeline(env, sw.expert_parallel()).explain()
-    assert "experts split over every data rank" in text and "all-to-all" in text
+    assert "experts split over 2 data ranks" in text and "all-to-all" in text
     six = sw.Env(world_size=6, local_world_size=6, rank=0)
     text = sw.pipeline(six, sw.expert_parallel(size=2), sw.shard()).explain()
-    assert "3 groups of 2 ranks, replicas of each other" in text
+    assert "3 groups of 2 data ranks, replicas of each other" in text
+    assert "beside shard() FSDP2 shards each experts module across them" in text
+    # under pipeline stages the data ranks are the world over the stages: 8 ranks, pp=2
+    eight = sw.Env(world_size=8, local_world_size=8, rank=0)
+    staged = sw.pipeline(eight, sw.pipeline_parallel(size=2), sw.expert_parallel(size=2)).explain()
+    assert "experts split over 2 data ranks" in staged and "mean over the 4 data ranks" in staged
+    assert "2 groups of 2 data ranks" in staged
 
 
 def test_in_one_process_it_changes_nothing():

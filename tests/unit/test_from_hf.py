@@ -99,3 +99,58 @@ def test_experts_saved_one_by_one_are_refused_with_the_way_to_stacked_files(tmp_
             param.zero_()
     sw.load_pretrained(tmp_path / "stacked", bundle)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_root_with_checkpoints_a_tensor_in_two_files_and_a_failed_write_are_refused(
+        tmp_path, monkeypatch):
+    """from-hf never points latest back at step 0 of a run (a named one goes beside); a
+    tensor two files hold and a bad --name are refused; a write that fails half-way leaves
+    no staging folder and nothing published."""
+    import safetensors
+    from safetensors.torch import save_file
+
+    saved_pretrained(tmp_path / "hf", tied=False)
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run"), "--name",
+                 "pretrained"]) == 0
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step_00000000"
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "x"), "--name", "../up"]) == 2
+
+    (tmp_path / "two").mkdir()
+    save_file({"w": torch.ones(2)}, tmp_path / "two" / "a.safetensors")
+    save_file({"w": torch.ones(2)}, tmp_path / "two" / "b.safetensors")
+    (tmp_path / "two" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"w": "a.safetensors", "v": "b.safetensors"}}))
+    with pytest.raises(sw.errors.CheckpointError, match=r"w in two files or in pieces"):
+        from shardwise.checkpoint.from_hf import hf_to_checkpoint
+        hf_to_checkpoint(tmp_path / "two", tmp_path / "never")
+
+    real, calls = safetensors.safe_open, []
+
+    class Failing:  # the third tensor read fails (a disk gone mid-write)
+        def __init__(self, *args, **kwargs):
+            self._opened = real(*args, **kwargs)
+
+        def __enter__(self):
+            self._opened.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._opened.__exit__(*exc)
+
+        def __getattr__(self, name):  # keys(), metadata(), ... as they are
+            return getattr(self._opened, name)
+
+        def get_tensor(self, name):
+            calls.append(name)
+            if len(calls) == 3:
+                raise OSError("the disk went away")
+            return self._opened.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Failing)
+    with pytest.raises(sw.errors.CheckpointError, match=r"the disk went away.*nothing was "
+                       r"published"):
+        hf_to_checkpoint(tmp_path / "hf", tmp_path / "failed")
+    assert sw.latest_checkpoint(tmp_path / "failed") is None
+    assert not [p for p in (tmp_path / "failed").iterdir() if p.name.startswith(".tmp")]

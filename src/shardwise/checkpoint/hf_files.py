@@ -373,7 +373,9 @@ def stored_tensors(reader: Any, path: Path) -> dict[str, Any]:
     stored = {name: meta for name, meta in reader.read_metadata().state_dict_metadata.items()
               if isinstance(meta, TensorStorageMetadata)}
     twice = sorted(name for name, meta in stored.items()
-                   if len(meta.chunks) != 1 or any(meta.chunks[0].offsets))
+                   if len(meta.chunks) != 1 or any(meta.chunks[0].offsets)
+                   or len(meta.chunks[0].offsets) != len(meta.chunks[0].sizes)
+                   or tuple(meta.chunks[0].sizes) != tuple(meta.size))
     if twice:
         raise CheckpointError(f"the safetensors files in {path} hold "
                               f"{', '.join(twice[:5])}{' ...' if len(twice) > 5 else ''} in two "

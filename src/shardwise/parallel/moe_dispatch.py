@@ -12,15 +12,17 @@ expert, weight 1: the model's own expert math, whichever implementation it selec
 results come back by the reverse all-to-all and are weighed by the router's weights and
 summed per token, as the module does.
 
-With fewer ranks per group than data ranks (``ep`` < world), the groups are replicas of
-each other: ranks ``g * ep ... g * ep + ep - 1`` form group ``g``, and the stacks are
-DTensors on a 2-D mesh ``(ep_replicate, ep)``, replicated over the first dimension.
+The experts are split over data ranks (those reading different batches: every rank when
+nothing else splits the model). With fewer ranks per group than data ranks, the groups are
+replicas of each other: data ranks ``g * ep ... g * ep + ep - 1`` form group ``g``, and the
+stacks are DTensors on a 2-D mesh ``(ep_replicate, ep)``, replicated over the first
+dimension (or sharded again across it by FSDP2, :meth:`ExpertSplit.shard_over_replicas`).
 
 Gradients: a rank's experts see every rank of its group's tokens, so their gradient sums
 the ``ep`` ranks' losses where data parallelism averages; on the way back the local
 stacks' gradient is summed over the replicas (an all-reduce over ``ep_replicate``, every
-micro-batch: a sum of sums under accumulation) and scaled by ``1 / world``, so it equals
-the global batch's mean as the other weights' averaged one does.
+micro-batch: a sum of sums under accumulation) and scaled by ``1 / data ranks``, so it
+equals the global batch's mean as the other weights' averaged one does.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["ExpertSplit", "split_experts", "expert_splits", "expert_stacks", "expert_count",
-           "is_expert_stack", "rows_split", "held_numel"]
+           "is_expert_stack", "by_expert", "held_numel"]
 
 #: the experts' mesh dimension: a DTensor on a mesh with it is an expert stack
 EP = "ep"
@@ -78,7 +80,7 @@ class _LocalExperts:
         return getattr(self.__dict__["_module"], name)
 
 
-def rows_split(local_count: int, copies: int) -> bool:
+def by_expert(local_count: int, copies: int) -> bool:
     """Whether FSDP2 splits a rank's ``local_count`` experts across ``copies`` replicas by
     expert (dim 0): when they divide; else by each expert's rows (dim 1), since splitting
     fewer experts than replicas by expert would leave some replicas none and others a whole
@@ -88,13 +90,13 @@ def rows_split(local_count: int, copies: int) -> bool:
 
 def held_numel(shape: tuple[int, ...], size: int, copies: int) -> int:
     """Elements of an expert stack of ``shape`` one rank holds: its ``1/size`` of the
-    experts, split again across ``copies`` replicas by FSDP2 (as :func:`rows_split` says;
+    experts, split again across ``copies`` replicas by FSDP2 (as :func:`by_expert` says;
     ``copies == 1``: whole)."""
     local = shape[0] // size
     rest = math.prod(shape[1:])
     if copies == 1:
         return local * rest
-    if rows_split(local, copies) or len(shape) < 2:
+    if by_expert(local, copies) or len(shape) < 2:
         return -(-local // copies) * rest
     return local * -(-shape[1] // copies) * math.prod(shape[2:])
 
@@ -145,7 +147,7 @@ class ExpertSplit:
 
     def shard_over_replicas(self, shard: Any) -> None:
         """Hand the expert stacks to FSDP2 over the replica dimension (``shard(module,
-        mesh)``: ``fully_shard``'s call): each rank then holds ``1 / world`` of every stack
+        mesh)``: ``fully_shard``'s call): each rank then holds ``1 / data ranks`` of every stack
         between steps (its ``E / ep`` experts, sharded again across the replicas), gathered
         within the replica dimension for the forward; FSDP2 averages their gradient across
         the replicas, so the dispatch scales by ``1 / ep`` and all-reduces nothing. The
@@ -155,10 +157,11 @@ class ExpertSplit:
 
         if self.replicas is None:
             return
-        if not rows_split(self.local_count, self.mesh.shape[0]):
+        if not by_expert(self.local_count, self.mesh.shape[0]):
             from torch.distributed.tensor import Shard as ShardOn
 
-            shard = functools.partial(shard, placement=lambda param: ShardOn(1))
+            shard = functools.partial(  # a 1-D stack (a bias per expert) by expert still
+                shard, placement=lambda param: ShardOn(1) if param.ndim > 1 else None)
         for name, param in list(self.module.named_parameters(recurse=False)):
             local = DTensor.from_local(param.to_local(), self.mesh["ep"], [Shard(0)],  # type: ignore[attr-defined]
                                        run_check=False)

@@ -137,6 +137,11 @@ def resolve(model: nn.Module, plan: Mapping[str, Any], size: int, *,
                                 "the pattern ('*' stands for one name part)")
         for name in names:
             chosen[name] = style
+    if own and plan and not chosen and not any(isinstance(m, Elsewhere) for m in model.modules()):
+        sample = ", ".join(list(plan)[:3])
+        raise ConflictError(f"tensor_parallel(plan='auto'): no entry of {type(model).__name__}'s "
+                            f"own plan ({sample}, ...) matches one of its modules, so nothing "
+                            "would be split; pass plan={...} with patterns of its modules")
     for name, style in chosen.items():
         _check_module(name, modules[name], style, size)
     _check_heads(model, chosen, size)

@@ -12,19 +12,20 @@ from torch import nn
 from shardwise._params import param_names, rebind_optimizer, refuse_state
 from shardwise._text import short
 from shardwise.bundle import Bundle
-from shardwise.distributed import ensure_process_group
+from shardwise.distributed import all_agree, ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
 from shardwise.meta_init import is_rank0_weights, weights_pending
-from shardwise.parallel.mesh import MeshLayout
+from shardwise.parallel.mesh import MeshLayout, stage_peers
 from shardwise.parallel.moe_dispatch import (
     expert_count,
     expert_stacks,
     is_expert_stack,
     split_experts,
 )
+from shardwise.plan import Plan
 from shardwise.transforms._checks import group_size
-from shardwise.transforms.base import Stage, Transform
+from shardwise.transforms.base import Stage, Transform, plan_for
 
 __all__ = ["ExpertParallel", "expert_parallel", "experts_modules"]
 
@@ -72,7 +73,8 @@ class ExpertParallel(Transform):
 
     The ranks read different batches, as data-parallel ranks do; the other weights are
     replicated (``replicate()``, the default beside it) or sharded by FSDP2 (``shard()``,
-    which leaves the expert stacks to the dispatch). Each (token, choice) pair the
+    which leaves the expert stacks to the dispatch, or with replica groups shards each
+    experts module across the replicas). Each (token, choice) pair the
     model's router picks is sent to the rank holding that expert (``all_to_all_single``,
     uneven counts, autograd through it); the module's own forward runs there on the
     received rows against the local experts; the results return by the reverse all-to-all
@@ -86,10 +88,11 @@ class ExpertParallel(Transform):
     with the expert first. In one process (or ``size=1``) it is a no-op.
 
     Args:
-        size: ranks the experts are split over (an expert group); default every data
-            rank. A smaller size that divides them makes ``world / size`` groups, replicas
-            of each other (ranks ``g*size`` to ``g*size + size - 1`` form group ``g``), whose
-            expert gradients are summed across them.
+        size: data ranks the experts are split over (an expert group); default every data
+            rank (every rank when nothing else splits the model). A smaller size that divides
+            them makes ``data / size`` groups, replicas of each other (data ranks ``g*size``
+            to ``g*size + size - 1`` form group ``g``), whose expert gradients are summed
+            across them.
         experts: the experts module class (or its name) of a model of one's own.
 
     Raises:
@@ -135,32 +138,54 @@ class ExpertParallel(Transform):
                                 "experts yet (its weights are on rank 0 only, or read after the "
                                 "split); build it normally and load with sw.load_pretrained")
         found = experts_modules(model, self.experts)
-        if not found:
-            wanted = f"no module of class {self.experts!r}" if self.experts is not None else (
-                "no experts module (one with num_experts whose forward takes hidden_states, "
-                "top_k_index, top_k_weights)")
-            raise ConflictError(f"{self!r}: {type(model).__name__} has {wanted}; declare a "
-                                "model's own with expert_parallel(experts=MyExperts)")
-        for name, module in found:
-            count = expert_count(module)
-            if count % size:
-                raise ConflictError(f"{self!r}: {name} holds {count} experts, which {size} "
-                                    "ranks do not divide; pick a size that divides it")
-            try:
-                expert_stacks(module)
-            except ValueError as exc:
-                raise ConflictError(f"{self!r}: {name}: {exc}") from exc
+        problem = self._problem(model, found, size)
+        if bundle.stages is not None:  # a stage may hold only dense layers: every rank agrees
+            ensure_process_group(env)
+            if not all_agree(env, problem is None or not found):
+                raise ConflictError(problem or f"{self!r}: refused on the ranks of another "
+                                    "pipeline stage (their error names the experts module)")
+            if all_agree(env, not found):
+                raise ConflictError(self._none_found(model))
+        elif not found:
+            raise ConflictError(self._none_found(model))
+        elif problem:
+            raise ConflictError(problem)
         refuse_state(bundle.optimizer)
         ensure_process_group(env)
         mesh = _experts_mesh(env, layout, size)
         names = param_names(model)
         if not all(p.is_meta for p in model.parameters()):  # a meta model: shapes only
             model.to(env.device)
+            if layout is not None and layout.tp * layout.cp > 1:
+                # tensor- or context-parallel partners compute the same tokens: their experts
+                # start from the stage's first rank, as tensor_parallel's other weights do
+                _same_experts(found, stage_peers(bundle.mesh))
         for _, module in found:
             split_experts(module, mesh)
         rebind_optimizer(bundle.optimizer, names, model)
         self._per_tensor(bundle.optimizer)
         return bundle
+
+    def _none_found(self, model: nn.Module) -> str:
+        wanted = f"no module of class {self.experts!r}" if self.experts is not None else (
+            "no experts module (one with num_experts whose forward takes hidden_states, "
+            "top_k_index, top_k_weights)")
+        return (f"{self!r}: {type(model).__name__} has {wanted}; declare a model's own with "
+                "expert_parallel(experts=MyExperts)")
+
+    def _problem(self, model: nn.Module, found: list[tuple[str, nn.Module]], size: int
+                 ) -> str | None:
+        """Why the experts ``found`` cannot be split over ``size`` ranks, or None."""
+        for name, module in found:
+            count = expert_count(module)
+            if count % size:
+                return (f"{self!r}: {name} holds {count} experts, which {size} ranks do not "
+                        "divide; pick a size that divides it")
+            try:
+                expert_stacks(module)
+            except ValueError as exc:
+                return f"{self!r}: {name}: {exc}"
+        return None
 
     def _per_tensor(self, optimizer: Any) -> None:
         """Have each param group that mixes expert stacks (DTensors) and plain tensors
@@ -184,27 +209,38 @@ class ExpertParallel(Transform):
                 group["foreach"] = False
 
     def describe(self, env: Env) -> str:
-        size = self.ep_size(env)
+        return self.describe_in(env, plan_for(env, [self]))
+
+    def describe_in(self, env: Env, plan: Plan) -> str:
+        data = _data_ranks(env, plan.mesh)
+        size = self.ep_size(env, plan.mesh)
         if not env.is_distributed or size == 1:
             return "one rank: every expert whole"
-        if self.size is None:
-            return ("experts split over every data rank (a slice of every expert stack each, "
-                    "DTensors sharded on the expert dimension); each token's choices sent to "
-                    "their experts' ranks and back by all-to-all (uneven counts); the ranks "
-                    "read different batches; expert gradients scaled by 1/data ranks (they sum "
-                    "every data rank's tokens)")
-        copies = env.world_size // size
-        groups = (f"; {copies} groups of {size} ranks, replicas of each other (expert "
-                  "gradients summed across them by all-reduce)") if copies > 1 else ""
-        return (f"experts split over {size} ranks (1/{size} of every expert stack each, "
+        copies = data // size
+        groups = (f"; {copies} groups of {size} data ranks, replicas of each other (expert "
+                  "gradients summed across them by all-reduce; beside shard() FSDP2 shards "
+                  "each experts module across them too and averages there)") \
+            if copies > 1 else ""
+        return (f"experts split over {size} data ranks (1/{size} of every expert stack each, "
                 "DTensors sharded on the expert dimension); each token's choices sent to their "
-                "experts' ranks in its group and back by all-to-all (uneven counts); the ranks "
-                f"read different batches; expert gradients scaled by 1/{env.world_size} (a "
-                f"group's ranks sum its tokens){groups}")
+                "experts' ranks in its group and back by all-to-all (uneven counts); the data "
+                f"ranks read different batches; expert gradients scaled to the mean over the "
+                f"{data} data ranks (a group's ranks sum its tokens){groups}")
 
 
 #: the public factory: the class itself, so its defaults are written once
 expert_parallel = ExpertParallel
+
+
+def _same_experts(found: list[tuple[str, nn.Module]], peers: Any) -> None:
+    """Every rank of ``peers`` takes the first one's expert stacks (before the split)."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for _, module in found:
+            for param in expert_stacks(module).values():
+                dist.broadcast(param.data, group=peers, group_src=0)
 
 
 def _data_ranks(env: Env, layout: MeshLayout | None) -> int:

@@ -167,6 +167,8 @@ class Shard(Distribution):
         options: dict[str, Any] = dict(mesh=self._data_mesh(bundle),
                                        ignored_params=experts or None, **common)
         for _, block in blocks:  # bottom-up: deepest first, then the root
+            if isinstance(block, FSDPModule):  # an experts module sharded across replicas
+                continue
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         # the root is needed again as soon as backward starts: keeping it gathered saves an
         # all-gather per step (torch's own default for the root). Pipeline stages: each
@@ -217,10 +219,12 @@ class Shard(Distribution):
         if mesh is not None and mesh.copies > 1:  # pipeline stages, context-parallel groups
             zero = "ZeRO-3 (reshard after forward)" if self.reshard_after_forward else \
                 "ZeRO-2 (keep parameters gathered between forward and backward)"
+            across = mesh.size("dp_replicate")
             return (f"FSDP2 fully_shard on blocks chosen by {self.policy!r}, then the root; "
                     f"each part sharded over {mesh.shard_ranks} ranks (the mesh's "
-                    f"{' x '.join(mesh.data_names)}{' with cp folded in' if mesh.cp > 1 else ''}"
-                    f"; {mesh.describe()}); {zero}"
+                    f"{mesh.data_names[-1]}{' with cp folded in' if mesh.cp > 1 else ''}"
+                    + (f", replicated over dp_replicate={across}" if across > 1 else "")
+                    + f"; {mesh.describe()}); {zero}"
                     f"{'; gradients reduced every micro-batch' if self.sync_each_batch else ''}")
         return self.describe(env)
 

@@ -190,6 +190,12 @@ def simulate_context(shape: str, world: int, cp: int, tokens: int) -> dict[str, 
             "activations_rank": split.activations_bytes, "layout": split.layout}
 
 
+def fake_env(world: int, rank: int) -> sw.Env:
+    """Rank ``rank`` of ``world`` fake ranks, NODE a node."""
+    return sw.Env(world_size=world, rank=rank, local_rank=rank % NODE, local_world_size=NODE,
+                  node_rank=rank // NODE, num_nodes=world // NODE, backend="fake")
+
+
 def simulate_pipeline(shape: str, world: int, pp: int, schedule: str, tp: int = 1
                       ) -> dict[str, Any]:
     """The rank the estimate names as needing the most (parameters, gradients, optimizer state
@@ -201,17 +207,13 @@ def simulate_pipeline(shape: str, world: int, pp: int, schedule: str, tp: int = 
     if tp > 1:
         parts.append(sw.tensor_parallel(size=tp))
 
-    def env_of(rank: int) -> sw.Env:
-        return sw.Env(world_size=world, rank=rank, local_rank=rank % NODE, local_world_size=NODE,
-                      node_rank=rank // NODE, num_nodes=world // NODE, backend="fake")
-
     with torch.device("meta"):
         model = llama(shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    found = sw.estimate_memory(model, parts, env_of(0), optimizer=optimizer)
+    found = sw.estimate_memory(model, parts, fake_env(world, 0), optimizer=optimizer)
     # "... rank 7 needs the most": its place in the pipeline group, whose ranks are tp apart
     rank = int(found.layout.split("rank ", 1)[1].split(" ", 1)[0]) * tp
-    simulated = held_after_step(env_of(rank), parts, model, optimizer)
+    simulated = held_after_step(fake_env(world, rank), parts, model, optimizer)
     mesh = f"dp_shard {world // (pp * tp)} x pp {pp}" + (f" x tp {tp}" if tp > 1 else "")
     return {"model": f"Llama-{shape}", "ranks": world, "rank": rank,
             "mesh": f"{mesh} ({schedule})", "simulated": simulated,
@@ -227,17 +229,13 @@ def simulate_experts(world: int, ep: int, pp: int) -> dict[str, Any]:
     if pp > 1:
         parts.append(sw.pipeline_parallel(size=pp))
 
-    def env_of(rank: int) -> sw.Env:
-        return sw.Env(world_size=world, rank=rank, local_rank=rank % NODE, local_world_size=NODE,
-                      node_rank=rank // NODE, num_nodes=world // NODE, backend="fake")
-
     with torch.device("meta"):
         model = qwen3_235b()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    found = sw.estimate_memory(model, parts, env_of(0), optimizer=optimizer)
+    found = sw.estimate_memory(model, parts, fake_env(world, 0), optimizer=optimizer)
     # under pp "... rank R needs the most": its place in data rank 0's pipeline group
     rank = int(found.layout.split("rank ", 1)[1].split(" ", 1)[0]) if pp > 1 else 0
-    simulated = held_after_step(env_of(rank), parts, model, optimizer)
+    simulated = held_after_step(fake_env(world, rank), parts, model, optimizer)
     data = world // pp
     mesh = (f"dp_shard {data}" + (f" x pp {pp}" if pp > 1 else "")
             + f"; ep {ep} x {data // ep} replicas")

@@ -39,6 +39,23 @@ def _config_folder(config: str | os.PathLike[str] | None) -> Path | None:
     return folder
 
 
+def _read_whole(source: Path, tensors: dict[str, Any], keys: list[str]) -> dict[str, torch.Tensor]:
+    """The checkpoint's model tensors ``keys`` (DCP's keys, ``model.`` first), read whole
+    from the shards in this process, under their names without the prefix."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise.checkpoint.restore import dcp_quietly
+    from shardwise.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
+
+    part = {key[len(PREFIX):]: torch.empty(tuple(tensors[key].size),
+                                           dtype=tensors[key].properties.dtype)
+            for key in keys}
+    with dcp_quietly():
+        dcp.load({"model": part}, storage_reader=SafeReader(source),
+                 planner=SafeLoadPlanner(), no_dist=True)
+    return part
+
+
 def _tied_aliases(source: Path, tensors: dict[str, Any], settings: Path | None) -> list[str]:
     """The checkpoint keys of the second and later names of each weight the model of
     ``settings/config.json`` ties (the first is written), each checked to hold the same
@@ -50,11 +67,7 @@ def _tied_aliases(source: Path, tensors: dict[str, Any], settings: Path | None) 
     """
     if settings is None:
         return []
-    import torch.distributed.checkpoint as dcp
-
     from shardwise.checkpoint.from_hf import tied_names
-    from shardwise.checkpoint.restore import dcp_quietly
-    from shardwise.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
 
     key_of = {clean_name(key[len(PREFIX):]): key for key in tensors}
     aliases = []
@@ -62,13 +75,7 @@ def _tied_aliases(source: Path, tensors: dict[str, Any], settings: Path | None) 
         keys = [key_of[name] for name in names if name in key_of]
         if len(keys) < 2:
             continue
-        part = {key[len(PREFIX):]: torch.empty(tuple(tensors[key].size),
-                                               dtype=tensors[key].properties.dtype)
-                for key in keys}
-        with dcp_quietly():
-            dcp.load({"model": part}, storage_reader=SafeReader(source),
-                     planner=SafeLoadPlanner(), no_dist=True)
-        first, *rest = part.values()
+        first, *rest = _read_whole(source, tensors, keys).values()
         if not all(torch.equal(first, other) for other in rest):
             raise CheckpointError(f"{settings / 'config.json'} ties {', '.join(names)}, but "
                                   f"the checkpoint {source} holds different values for them: "
@@ -90,14 +97,12 @@ def checkpoint_to_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[
         CheckpointError: the checkpoint is damaged, partial or not a checkpoint; ``out`` is
             a symlink or a file.
     """
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from shardwise.checkpoint.full_weights import prepare_folder, publish_folder
     from shardwise.checkpoint.integrity import verify
-    from shardwise.checkpoint.restore import dcp_quietly
-    from shardwise.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
+    from shardwise.checkpoint.safe_reader import SafeReader
     from shardwise.env import Env
 
     source, target = Path(checkpoint), Path(out)
@@ -130,12 +135,7 @@ def checkpoint_to_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[
     names: dict[str, int] = {}  # the file plan under the model's names
     for index in range(1, count + 1):
         keys = [key for key, file in plan.items() if file == index]
-        part = {key[len(PREFIX):]: torch.empty(tuple(tensors[key].size),
-                                               dtype=tensors[key].properties.dtype)
-                for key in keys}
-        with dcp_quietly():
-            dcp.load({"model": part}, storage_reader=SafeReader(source),
-                     planner=SafeLoadPlanner(), no_dist=True)
+        part = _read_whole(source, tensors, keys)
         name = hf_file_name(index, count)
         written = {clean_name(k): (v.to(dtype) if dtype is not None and v.is_floating_point()
                                    else v) for k, v in part.items()}

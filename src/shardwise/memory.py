@@ -334,12 +334,12 @@ def _experts_split(model: nn.Module, experts: ExpertParallel, env: Env, engine: 
     MoE layer's rows sent and received, kept for backward (every token's choices, in the
     compute precision; the sample batch's ``input_ids``)."""
     from shardwise.engines.fsdp import FSDPEngine, shard_numel
+    from shardwise.parallel.mesh import data_share
     from shardwise.parallel.moe_dispatch import expert_stacks, held_numel
     from shardwise.transforms.expert_parallelism import experts_modules
 
     size = experts.ep_size(env, layout_of_plan)
-    data = layout_of_plan.data_ranks(env.world_size) if layout_of_plan is not None \
-        else env.world_size
+    data = data_share(env, layout_of_plan)[0]
     found = experts_modules(model, experts.experts)
     stacks = [p for _, module in found for p in expert_stacks(module).values()]
     fsdp = isinstance(engine, FSDPEngine)

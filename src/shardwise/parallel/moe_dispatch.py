@@ -158,10 +158,8 @@ class ExpertSplit:
         if self.replicas is None:
             return
         if not by_expert(self.local_count, self.mesh.shape[0]):
-            from torch.distributed.tensor import Shard as ShardOn
-
             shard = functools.partial(  # a 1-D stack (a bias per expert) by expert still
-                shard, placement=lambda param: ShardOn(1) if param.ndim > 1 else None)
+                shard, placement=lambda param: Shard(1) if param.ndim > 1 else None)
         for name, param in list(self.module.named_parameters(recurse=False)):
             local = DTensor.from_local(param.to_local(), self.mesh["ep"], [Shard(0)],  # type: ignore[attr-defined]
                                        run_check=False)

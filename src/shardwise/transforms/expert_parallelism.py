@@ -16,7 +16,7 @@ from shardwise.distributed import all_agree, ensure_process_group
 from shardwise.env import Env
 from shardwise.errors import ArgumentError, ConflictError
 from shardwise.meta_init import is_rank0_weights, weights_pending
-from shardwise.parallel.mesh import MeshLayout, stage_peers
+from shardwise.parallel.mesh import MeshLayout, data_share, stage_peers
 from shardwise.parallel.moe_dispatch import (
     expert_count,
     expert_stacks,
@@ -141,7 +141,7 @@ class ExpertParallel(Transform):
         problem = self._problem(model, found, size)
         if bundle.stages is not None:  # a stage may hold only dense layers: every rank agrees
             ensure_process_group(env)
-            if not all_agree(env, problem is None or not found):
+            if not all_agree(env, problem is None):
                 raise ConflictError(problem or f"{self!r}: refused on the ranks of another "
                                     "pipeline stage (their error names the experts module)")
             if all_agree(env, not found):
@@ -244,8 +244,8 @@ def _same_experts(found: list[tuple[str, nn.Module]], peers: Any) -> None:
 
 
 def _data_ranks(env: Env, layout: MeshLayout | None) -> int:
-    """The ranks that read different batches: the world over one ``pp x cp x tp`` block."""
-    return layout.data_ranks(env.world_size) if layout is not None else env.world_size
+    """The ranks that read different batches (:func:`~shardwise.parallel.mesh.data_share`)."""
+    return data_share(env, layout)[0]
 
 
 def _experts_mesh(env: Env, layout: MeshLayout | None, size: int) -> Any:

@@ -312,6 +312,8 @@ class Layout(NamedTuple):
     mean_loss: bool = False
     #: the model it trains: "llama", or "moe" (tests/_moe.py's Qwen3-MoE)
     model: str = "llama"
+    #: a torchft lighthouse runs beside it (fault_tolerant: one replica group of these ranks)
+    lighthouse: bool = False
 
 
 LAYOUTS = {
@@ -330,6 +332,9 @@ LAYOUTS = {
     "local_sgd": Layout(2, (sw.replicate(), sw.local_sgd(2)), data_ranks=2,
                         equals_one_process=False),
     "deepspeed": Layout(2, (sw.deepspeed(DEEPSPEED),), data_ranks=2, mean_loss=True),
+    "fault_tolerant": Layout(2, (sw.shard(), sw.fault_tolerant(group=0, groups=1,
+                                                               hostname="127.0.0.1")),
+                             data_ranks=2, lighthouse=True),
 }
 
 

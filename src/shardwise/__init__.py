@@ -53,6 +53,7 @@ PUBLIC: dict[str, str] = {
     **dict.fromkeys(["deepspeed"], "shardwise.deepspeed_engine.transform"),
     **dict.fromkeys(["distribute_data"], "shardwise.transforms.data_distribution"),
     **dict.fromkeys(["expert_parallel"], "shardwise.transforms.expert_parallelism"),
+    **dict.fromkeys(["fault_tolerant"], "shardwise.fault_tolerance.transform"),
     **dict.fromkeys(["local_sgd", "average_replicas"], "shardwise.transforms.replica_averaging"),
     **dict.fromkeys(["mixed_precision"], "shardwise.transforms.precision_policy"),
     **dict.fromkeys(["offload"], "shardwise.transforms.offloading"),

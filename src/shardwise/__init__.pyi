@@ -25,6 +25,7 @@ from shardwise.env import CONFIG_ENV_VAR as CONFIG_ENV_VAR
 from shardwise.env import Env as Env
 from shardwise.env import detect as detect
 from shardwise.evaluation import evaluate as evaluate
+from shardwise.fault_tolerance.transform import fault_tolerant as fault_tolerant
 from shardwise.loggers import Logger as Logger
 from shardwise.loggers import TensorBoardLogger as TensorBoardLogger
 from shardwise.loop import fit as fit
@@ -104,6 +105,7 @@ __all__ = [
     "evaluate",
     "expert_parallel",
     "export",
+    "fault_tolerant",
     "find_executable_batch_size",
     "fit",
     "from_config",

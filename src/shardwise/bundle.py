@@ -122,8 +122,10 @@ class Bundle:
                        stages=self.stages)
 
     def init(self) -> TrainState:
-        """A fresh :class:`TrainState` at step 0."""
-        return TrainState()
+        """A fresh :class:`TrainState` at step 0; under :func:`shardwise.fault_tolerant` the
+        group joins torchft's quorum here, and a restarted group heals from a live peer and
+        gets its state (the loader positioned where the peer's data position is)."""
+        return self.engine.begin(self, TrainState())
 
     def step(self, state: TrainState, batch: Any, *,
              on_nonfinite: OnNonFinite | None = None) -> tuple[TrainState, StepOutput]:

@@ -311,22 +311,26 @@ def _unsplittable(loader: Iterable[Any]) -> str | None:
     return None
 
 
-def _check_own_sampler(loader: Any, copies: int, shares: int, share: int) -> None:
-    """A user's DistributedSampler beside tensor-parallel groups must split over the data
-    ranks (``shares``), this rank reading share ``share``."""
+def _check_own_sampler(loader: Any, copies: int, shares: int, share: int,
+                       groups: bool = False) -> None:
+    """A user's DistributedSampler beside tensor-parallel groups (or across replica
+    ``groups``) must split over the data ranks (``shares``), this rank reading share
+    ``share``."""
     sampler = loader.sampler
-    if copies > 1 and (sampler.num_replicas, sampler.rank) != (shares, share):
+    if (copies > 1 or groups) and (sampler.num_replicas, sampler.rank) != (shares, share):
+        where = (f"with tensor-parallel groups of {copies}" if copies > 1 else
+                 "across fault_tolerant()'s replica groups")
         raise DataError(
             f"the loader's DistributedSampler splits the data over num_replicas="
-            f"{sampler.num_replicas} (this rank: {sampler.rank}), but with tensor-parallel "
-            f"groups of {copies} the data ranks are {shares} (this rank reads share {share}); "
-            f"build it with num_replicas={shares}, rank={share}, or pass a loader built with "
-            "shuffle=True/False")
+            f"{sampler.num_replicas} (this rank: {sampler.rank}), but {where} the data ranks "
+            f"are {shares} (this rank reads share {share}); build it with num_replicas="
+            f"{shares}, rank={share}, or pass a loader built with shuffle=True/False")
 
 
 def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
                  pin_memory: bool = False, mesh: MeshLayout | None = None,
-                 split: str = "samples", global_seed: bool = False) -> Iterable[Any]:
+                 split: str = "samples", global_seed: bool = False,
+                 replica: tuple[int, int] | None = None) -> Iterable[Any]:
     """A copy of ``loader`` whose sampler is a ``DistributedSampler`` for ``env``.
 
     Keeps batch_size, shuffle, drop_last, collate_fn, workers and the rest. The shuffling
@@ -341,19 +345,20 @@ def shard_loader(loader: Iterable[Any], env: Env, *, seed: int = 0,
     worker seed from torch's global random stream, as a plain or Accelerate-prepared
     DataLoader does (later dropout and seeded inits then match theirs); by default the
     loader has its own generator and draws nothing from it (a resumed run then consumes
-    random numbers exactly as an uninterrupted one).
+    random numbers exactly as an uninterrupted one). ``replica``: ``(group, groups)`` of
+    ``fault_tolerant()``'s replica groups (see :func:`~shardwise.parallel.mesh.data_share`).
 
     Raises:
         DataError: several ranks and a loader that cannot be split across them, or a
             ``DistributedSampler`` of the user's that splits over other ranks than the data's.
     """
-    shares, share, copies = data_share(env, mesh)
+    shares, share, copies = data_share(env, mesh, replica)
     if isinstance(getattr(loader, "sampler", None), DistributedSampler):
-        _check_own_sampler(loader, copies, shares, share)
+        _check_own_sampler(loader, copies, shares, share, replica is not None)
         return loader
     problem = _unsplittable(loader)
     if problem is not None:
-        if env.is_distributed:
+        if shares > 1 or copies > 1:
             raise DataError(problem)
         return loader
     assert isinstance(loader, DataLoader)

@@ -125,6 +125,13 @@ class Env:
     """Which attempt of an elastic job this is (torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
     error_file: str | None = None
     """Where torchrun wants a failing rank's error (``TORCHELASTIC_ERROR_FILE``), or None."""
+    replica_group: int | None = None
+    """This job's replica group under :func:`shardwise.fault_tolerant` (torchft's
+    ``REPLICA_GROUP_ID``), or None."""
+    replica_groups: int | None = None
+    """The replica groups the data is split over (``NUM_REPLICA_GROUPS``), or None."""
+    lighthouse: str | None = None
+    """torchft's lighthouse address (``TORCHFT_LIGHTHOUSE``), or None."""
 
     def __attrs_post_init__(self) -> None:
         check_topology(attrs.asdict(self, recurse=False))
@@ -132,7 +139,7 @@ class Env:
                 any(p not in precision.NAMES for p in self.precisions):
             raise EnvError(f"'precisions' must be a tuple of {', '.join(map(repr, precision.NAMES))} "
                            f"(got {_short(self.precisions)})")
-        for name in ("master_addr", "backend", "config_path", "error_file"):
+        for name in ("master_addr", "backend", "config_path", "error_file", "lighthouse"):
             value = getattr(self, name)
             if not isinstance(value, str) and (value is not None or name == "backend"):
                 raise EnvError(f"'{name}' must be a str (got {_short(value)})")
@@ -161,7 +168,7 @@ class Env:
 def _int(environ: Mapping[str, str], key: str) -> int:
     """Variable ``key`` as an integer: >= 1 for a size or count, >= 0 for a rank or id."""
     raw = environ[key]
-    low = 1 if key.endswith(("SIZE", "TASKS", "NODES")) else 0
+    low = 1 if key.endswith(("SIZE", "TASKS", "NODES", "GROUPS")) else 0
     try:
         value = int(raw)
     except ValueError:
@@ -355,6 +362,15 @@ def _elastic(environ: Mapping[str, str]) -> dict[str, Any]:
             "error_file": environ.get("TORCHELASTIC_ERROR_FILE") or None}
 
 
+def _replicas(environ: Mapping[str, str]) -> dict[str, Any]:
+    """torchft's variables: the replica group's id, the groups' count, the lighthouse."""
+    return {"replica_group": _int(environ, "REPLICA_GROUP_ID")
+            if "REPLICA_GROUP_ID" in environ else None,
+            "replica_groups": _int(environ, "NUM_REPLICA_GROUPS")
+            if "NUM_REPLICA_GROUPS" in environ else None,
+            "lighthouse": environ.get("TORCHFT_LIGHTHOUSE") or None}
+
+
 def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env:
     """Read the launcher's variables and the hardware into an :class:`Env`. Changes nothing.
 
@@ -405,6 +421,7 @@ def detect(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Env
     values["config_path"] = environ.get(CONFIG_ENV_VAR) or None
     values["accelerate_variables"] = variables
     values.update(_elastic(environ))
+    values.update(_replicas(environ))
     values.update(overrides)
     if isinstance(values.get("precisions"), (list, tuple)):
         values["precisions"] = tuple(values["precisions"])

@@ -24,6 +24,7 @@ __all__ = [
     "PolicyError",
     "CheckpointError",
     "ConfigError",
+    "FaultToleranceError",
 ]
 
 
@@ -98,6 +99,11 @@ class PolicyError(ShardwiseError, ValueError):
 
 class CheckpointError(ShardwiseError, ValueError):
     """A checkpoint is missing, partial, corrupt, or does not fit the bundle."""
+
+
+class FaultToleranceError(ShardwiseError, RuntimeError):
+    """Fault tolerance across replica groups (torchft) cannot start or go on: the extra is
+    missing, a setting is, or a peer's state does not fit."""
 
 
 class ConfigError(ShardwiseError, ValueError):

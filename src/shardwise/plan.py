@@ -43,6 +43,8 @@ class Plan:
             the step and ``explain()`` read (None: every rank holds every layer).
         local_sgd_every: local SGD: gradients stay on each rank and the replicas' parameters
             are averaged every this many optimizer steps (None: gradients averaged each step).
+        fault_tolerant: the ``fault_tolerant`` transform, whose replica groups the data
+            split reads (None: one job is the whole data-parallel world).
         applied: the transforms applied so far, in order.
         mesh: the mesh's layout, the one value every part reads its sizes from: worked out
             once from every transform's declared dimensions and the env where the pipeline
@@ -61,6 +63,7 @@ class Plan:
     context_parallel: Any = None
     pipeline_parallel: Any = None
     local_sgd_every: int | None = None
+    fault_tolerant: Any = None
     applied: tuple[Any, ...] = ()
     mesh: MeshLayout | None = None
 

@@ -157,8 +157,37 @@ def equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def lighthouse():
+    """``shardwise lighthouse`` on a free port of 127.0.0.1: (process, its address)."""
+    import re
+    import subprocess
+    import sys
+
+    house = subprocess.Popen(
+        [sys.executable, "-m", "shardwise.cli", "lighthouse", "--host", "127.0.0.1", "--port",
+         "0", "--min-replicas", "1", "--join-timeout-ms", "1000", "--heartbeat-timeout-ms",
+         "500", "--quorum-tick-ms", "10"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True)
+    return house, "http://127.0.0.1:" + re.search(r":(\d+) ", house.stdout.readline()).group(1)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_layout_survives_the_whole_run(name, tmp_path):
+def test_every_layout_survives_the_whole_run(name, tmp_path, monkeypatch):
+    layout = LAYOUTS[name]
+    if layout.lighthouse:
+        pytest.importorskip("torchft", reason="the ft extra is not installed")
+        house, address = lighthouse()
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address)
+        try:
+            survives(name, tmp_path)
+        finally:
+            house.terminate()
+            house.wait()
+        return
+    survives(name, tmp_path)
+
+
+def survives(name, tmp_path):
     layout = LAYOUTS[name]
     first = run_distributed(first_run, name, str(tmp_path), world_size=layout.ranks,
                             timeout=300)

@@ -177,8 +177,7 @@ def test_transforms_applied_by_hand_out_of_order_are_refused():
     msg = str(info.value)
     assert "mixed_precision(precision='bf16') (settings) cannot be applied after shard(" in msg
     assert ("settings, pipeline_parallel, expert_parallel, tensor_parallel, surgery, compile, "
-            "distribution, "
-            "placement, optimizer, data") in msg
+            "distribution, fault_tolerance, placement, optimizer, data") in msg
 
 
 def test_estimate_counts_buffers_frozen_parameters_and_accumulated_gradients():

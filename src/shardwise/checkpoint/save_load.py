@@ -336,6 +336,8 @@ def load(directory: str | os.PathLike[str], bundle: Bundle, *,
     The checkpoint may come from another world size or layout (shard, replicate, one
     process); DCP reshards it. Every rank must call it. All or nothing: every check runs
     before anything changes, and gradients left from an unfinished window are cleared.
+    Under :func:`shardwise.fault_tolerant` the group then joins its peers' quorum, and heals
+    from them where they are ahead (their state is returned).
 
     Args:
         directory: a ``step_*`` directory, or the parent (then its newest complete one).
@@ -379,10 +381,11 @@ def load(directory: str | os.PathLike[str], bundle: Bundle, *,
     try:
         state = _load(directory, bundle, skipped)
         all_agree(bundle.env, True)  # every rank has read its files
-        return state
     finally:
         if reading is not None:
             reading.release()
+    # under fault_tolerant the group joins its peers here: where they are ahead, it heals
+    return bundle.engine.begin(bundle, state)
 
 
 def _load(directory: Path, bundle: Bundle, skipped: frozenset[str]) -> TrainState:

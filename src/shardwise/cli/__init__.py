@@ -11,12 +11,14 @@ from shardwise.cli import env as env_command
 from shardwise.cli import estimate_memory as estimate_command
 from shardwise.cli import from_hf as from_hf_command
 from shardwise.cli import launch as launch_command
+from shardwise.cli import lighthouse as lighthouse_command
 from shardwise.cli import to_hf as to_hf_command
 
 __all__ = ["main"]
 
 _COMMANDS = {"config": config_command, "env": env_command, "estimate-memory": estimate_command,
-             "from-hf": from_hf_command, "launch": launch_command, "to-hf": to_hf_command}
+             "from-hf": from_hf_command, "launch": launch_command, "lighthouse": lighthouse_command,
+             "to-hf": to_hf_command}
 
 
 def main(argv: list[str] | None = None) -> int:

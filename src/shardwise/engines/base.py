@@ -14,6 +14,7 @@ from torch import nn
 from shardwise.engines.step_hooks import StepHooks
 from shardwise.env import Env
 from shardwise.errors import CheckpointError, ConflictError
+from shardwise.state import TrainState
 
 __all__ = ["Engine", "MemoryParts", "state_bytes", "split_optimizer",
            "set_hyperparameters"]
@@ -127,6 +128,11 @@ class Engine(StepHooks):
         """Make every rank's replica the same where the engine lets them drift apart (local
         SGD): parameters, and the optimizer's state when given, averaged over the ranks. A
         collective where it does anything; nothing to do by default."""
+
+    def begin(self, bundle: Any, state: TrainState) -> TrainState:
+        """The state training starts from, given ``state`` (a fresh one, or a checkpoint's):
+        ``state`` itself, except where replicas elsewhere may be ahead (fault tolerance)."""
+        return state
 
     @property
     def sharded_optimizer(self) -> torch.optim.Optimizer | None:

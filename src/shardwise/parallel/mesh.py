@@ -108,14 +108,24 @@ class MeshLayout:
         return " x ".join(f"{name}={size}" for name, size in self.dims)
 
 
-def data_share(env: Env, mesh: MeshLayout | None) -> tuple[int, int, int]:
+def data_share(env: Env, mesh: MeshLayout | None, replica: tuple[int, int] | None = None
+               ) -> tuple[int, int, int]:
     """``(shares, share, copies)``: how many different shares of the data the ranks read,
     which one this rank reads, and how many ranks read each (one ``pp x cp x tp`` block);
-    without a mesh every rank reads its own. The one place this is worked out: the data
-    split, the Trainer's Accelerate-style split and its epoch remainder ask it."""
+    without a mesh every rank reads its own. ``replica``: ``(group, groups)`` of
+    ``fault_tolerant()``'s replica groups, each its own job of ``env``'s ranks: group g's
+    shares follow group g - 1's (torchft's ``DistributedSampler`` split). The one place
+    this is worked out: the data split, the Trainer's Accelerate-style split and its epoch
+    remainder ask it."""
     if mesh is None:
-        return env.world_size, env.rank, 1
-    return mesh.data_ranks(env.world_size), mesh.data_rank(env.rank), mesh.copies
+        shares, share, copies = env.world_size, env.rank, 1
+    else:
+        shares, share, copies = mesh.data_ranks(env.world_size), mesh.data_rank(env.rank), \
+            mesh.copies
+    if replica is not None:
+        group, groups = replica
+        shares, share = shares * groups, group * shares + share
+    return shares, share, copies
 
 
 #: the dimensions that split the model, outermost first, each with the transform that asks

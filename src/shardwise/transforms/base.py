@@ -30,7 +30,9 @@ class Stage(enum.IntEnum):
     after checkpointing (a block is compiled with its recomputation) and before the
     distribution wrappers (FSDP2's hooks stay outside the compiled regions); surgery
     before distribution, because wrappers (DDP, FSDP2) must see the final module tree;
-    placement after distribution, because fully_shard places its own shards and DDP is built
+    fault tolerance right after distribution (it continues the engine the distribution
+    transform chose across torchft's replica groups); placement after distribution,
+    because fully_shard places its own shards and DDP is built
     on a module that ``replicate`` moved first; the optimizer stage after placement, because
     a sharded optimizer partitions parameters that must already be on their device; data
     last, as it needs the final env and device.
@@ -43,9 +45,10 @@ class Stage(enum.IntEnum):
     SURGERY = 5
     COMPILE = 6
     DISTRIBUTION = 7
-    PLACEMENT = 8
-    OPTIMIZER = 9
-    DATA = 10
+    FAULT_TOLERANCE = 8
+    PLACEMENT = 9
+    OPTIMIZER = 10
+    DATA = 11
 
 
 class Transform:

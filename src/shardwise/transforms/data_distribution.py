@@ -76,12 +76,15 @@ class DistributeData(Transform):
         bundle = self._record(bundle)
         env, pin = bundle.env, self.pins(bundle.env)
         mesh = self.mesh(env, bundle.plan)
+        ft = bundle.plan.fault_tolerant
+        replica = ft.replica(env) if ft is not None else None
 
         def distributed(loader: Any) -> DeviceLoader | None:
             if loader is None:
                 return None
             sharded = shard_loader(loader, env, seed=self.seed, pin_memory=pin, mesh=mesh,
-                                   split=self.split, global_seed=self.global_seed)
+                                   split=self.split, global_seed=self.global_seed,
+                                   replica=replica)
             return DeviceLoader(sharded, env.device, non_blocking=self.non_blocking)
 
         return attrs.evolve(bundle, loader=distributed(bundle.loader),

@@ -1,0 +1,270 @@
+# FaultTolerantEngine: any in-group engine, with its gradients averaged across torchft's quorum.
+"""The engine ``fault_tolerant()`` puts in the bundle: the group's own engine, wrapped.
+
+Inside a replica group everything is the wrapped engine's (one process, DDP, FSDP2, tensor
+parallel): its wrapper, its reductions, its checkpoints. Across groups, at each window:
+
+1. its first micro-batch joins torchft's quorum (synchronously: a group that must heal has
+   done so before it computes anything);
+2. its last micro-batch's gradients (each rank's own part: FSDP2's shards, tensor-parallel
+   pieces) are averaged over the groups in the quorum with torchft's managed all-reduce,
+   one per dtype, the same rank of every group together;
+3. ``should_commit()`` asks whether every group of the quorum got there; if not (a group
+   was lost in the step) the window is discarded, gradients dropped, nothing applied;
+4. else the wrapped engine finishes the window (clipping, the finiteness check, the
+   optimizer and scheduler step) on gradients every group now holds alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from shardwise.engines.base import Engine, MemoryParts
+from shardwise.engines.step_hooks import Backward, Micro, NoSync, StepRun, WindowEnd
+from shardwise.env import Env
+from shardwise.errors import FaultToleranceError
+from shardwise.fault_tolerance.joining import join
+from shardwise.state import TrainState
+
+__all__ = ["FaultTolerantEngine", "Replicas"]
+
+
+@attrs.define(eq=False)
+class Replicas:
+    """The live side of fault tolerance in one process: torchft's manager and what the
+    quorums did so far (read by tests, logs and ``explain()``).
+
+    Attributes:
+        manager: torchft's ``Manager`` (None until ``bundle.init()`` or ``sw.load`` joins).
+        group: this replica group's id (``REPLICA_GROUP_ID``).
+        groups: the replica groups the data is split over.
+        state: the training state at the start of the current window: what a healing peer
+            is sent with the weights.
+        joined: the quorum of the next window was already formed (by the join).
+        healed_from: the step this group healed to when it joined, if it healed.
+        participants: groups in the last step's quorum.
+        discarded: windows whose update the quorum discarded (a group lost mid-step).
+        committed: windows every group of their quorum applied.
+        timeout: seconds a cross-group all-reduce, ``should_commit`` or a heal may take.
+        quorum_timeout: seconds to wait for a quorum.
+        hostname: the address this group's manager and checkpoint server advertise.
+        callbacks: the state-dict callbacks torchft calls (set at the join).
+        store: the TCPStore of a group started without torchrun, kept alive.
+    """
+
+    group: int
+    groups: int
+    manager: Any = None
+    state: TrainState = attrs.Factory(TrainState)
+    joined: bool = False
+    healed_from: int | None = None
+    participants: int = 0
+    discarded: int = 0
+    committed: int = 0
+    timeout: float = 60.0
+    quorum_timeout: float = 60.0
+    hostname: str = "localhost"
+    callbacks: Any = None
+    store: Any = None
+
+
+def _average(manager: Any, tensors: list[torch.Tensor]) -> None:
+    """Average ``tensors`` over the quorum's groups in place: one managed all-reduce per
+    dtype and device, through a flat buffer. A failed all-reduce is torchft's to report (the
+    window is then not committed)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    pending = []
+    for group in groups.values():
+        flat = _flatten_dense_tensors(group)
+        pending.append((group, flat, manager.allreduce(flat)))
+    with torch.no_grad():
+        for group, flat, work in pending:
+            work.wait()
+            for tensor, mean in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                tensor.copy_(mean)
+
+
+@attrs.frozen
+class FaultTolerantEngine(Engine):
+    """``inner`` (the group's engine) with its data parallelism continued across torchft's
+    replica groups: quorum at a window's start, gradients averaged over the quorum, the
+    update applied only where torchft commits it.
+
+    Attributes:
+        inner: the engine the distribution transform chose inside the group.
+        replicas: torchft's manager and the quorums' record, shared by every copy.
+        min_replicas: groups a quorum needs before its updates are applied.
+    """
+
+    inner: Engine
+    replicas: Replicas
+    min_replicas: int = 1
+
+    # -- the wrapped engine's answers ---------------------------------------------------------
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"{self.inner.name} across torchft replica groups"
+
+    @property
+    def casts_parameters(self) -> bool:  # type: ignore[override]
+        return self.inner.casts_parameters
+
+    @property
+    def places_parameters(self) -> bool:  # type: ignore[override]
+        return self.inner.places_parameters
+
+    @property
+    def owns_optimizer(self) -> bool:  # type: ignore[override]
+        return self.inner.owns_optimizer
+
+    @property
+    def exports_in_place(self) -> bool:  # type: ignore[override]
+        return self.inner.exports_in_place
+
+    @property
+    def own_checkpoint(self) -> str | None:  # type: ignore[override]
+        return self.inner.own_checkpoint
+
+    def __getattr__(self, name: str) -> Any:
+        """What only the wrapped engine has (``shard_ranks``, ``world_size``, ...)."""
+        if name == "inner":  # not set yet (during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.inner.unwrap(model)
+
+    def full_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.inner.full_state(model)
+
+    def synchronise_replicas(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                             ) -> None:
+        self.inner.synchronise_replicas(model, optimizer)
+
+    @property
+    def sharded_optimizer(self) -> torch.optim.Optimizer | None:
+        return self.inner.sharded_optimizer
+
+    def with_sharded_optimizer(self, sharded: torch.optim.Optimizer | None) -> Engine:
+        return attrs.evolve(self, inner=self.inner.with_sharded_optimizer(sharded))
+
+    def save_own(self, path: Path) -> None:
+        self.inner.save_own(path)
+
+    def check_own(self, path: Path) -> None:
+        self.inner.check_own(path)
+
+    def load_own(self, path: Path) -> None:
+        self.inner.load_own(path)
+
+    @property
+    def partial_optimizer(self) -> bool:
+        return self.inner.partial_optimizer
+
+    def state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        return self.inner.state_dicts(model, optimizer)
+
+    def load_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                         loaded: dict[str, Any], other: dict[str, Any]) -> None:
+        self.inner.load_state_dicts(model, optimizer, loaded, other)
+
+    def memory(self, model: nn.Module, env: Env, *, trained: set[int],
+               optimizer_layout: tuple[float, float], precision_bytes: int,
+               accumulating: bool) -> MemoryParts:
+        parts = self.inner.memory(model, env, trained=trained, optimizer_layout=optimizer_layout,
+                                  precision_bytes=precision_bytes, accumulating=accumulating)
+        return attrs.evolve(parts, layout=f"{parts.layout}, per replica group")
+
+    def gradient_ranks(self, env: Env) -> int:
+        return self.inner.gradient_ranks(env)
+
+    def syncs_gradients(self) -> bool:
+        return self.inner.syncs_gradients()
+
+    def no_sync(self, model: nn.Module, state: TrainState) -> NoSync | None:
+        return self.inner.no_sync(model, state)
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.inner.local(tensor)
+
+    def full(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.inner.full(tensor)
+
+    def clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        return self.inner.clip(params, max_norm, norm_type)
+
+    def stepping_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.inner.stepping_optimizer(optimizer)
+
+    # -- across replica groups ------------------------------------------------------------------
+
+    def _manager(self) -> Any:
+        manager = self.replicas.manager
+        if manager is None:
+            raise FaultToleranceError(
+                "fault_tolerant(): this replica group has not joined torchft's quorum; call "
+                "state = bundle.init() (or sw.load(...)) before bundle.step(): a restarted "
+                "group heals from a live peer there, before it reads its first batch")
+        return manager
+
+    def backward(self, run: StepRun, state: TrainState, batch: Any, micro: Micro) -> Backward:
+        if state.window_batches == 0:
+            replicas = self.replicas
+            replicas.state = state
+            if replicas.joined:
+                replicas.joined = False  # the join formed this window's quorum
+            else:
+                run.phase = "torchft quorum"
+                manager = self._manager()
+                replicas.callbacks.healed.clear()
+                manager.start_quorum()
+                if replicas.callbacks.healed:
+                    raise FaultToleranceError(
+                        f"replica group {replicas.group} fell behind its peers mid-run (its "
+                        f"update of step {state.step} was discarded where theirs committed) "
+                        "and torchft healed it from a peer; the batch in hand is from its own "
+                        "position, not the healed one. Restart the group (torchrun "
+                        "--max-restarts): it heals at bundle.init() and reads from the peers' "
+                        "data position")
+            replicas.participants = self._manager().num_participants()
+        return self.inner.backward(run, state, batch, micro)
+
+    def end_window(self, run: StepRun, state: TrainState, done: Backward, micro: Micro
+                   ) -> WindowEnd:
+        manager = self._manager()
+        replicas = self.replicas
+        run.phase = "all-reduce across torchft replica groups"
+        grads = [self.inner.local(p.grad) for p in run.params if p.grad is not None]
+        if done.total is not None:  # the items of a weighted window: averaged like gradients
+            grads.append(done.total)
+        _average(manager, grads)
+        run.phase = "torchft should_commit"
+        if not manager.should_commit():
+            replicas.discarded += 1
+            run.optimizer.zero_grad(set_to_none=True)
+            run.labelled = None
+            return WindowEnd(skipped=True)
+        replicas.committed += 1
+        return self.inner.end_window(run, state, done, micro)
+
+    def begin(self, bundle: Any, state: TrainState) -> TrainState:
+        return join(self, bundle, state)
+
+    def describe(self, env: Env) -> str:
+        replicas = self.replicas
+        return (f"{self.inner.describe(env)}; across torchft replica groups: group "
+                f"{replicas.group} of {replicas.groups}, gradients averaged over the groups in "
+                f"each step's quorum (at least {self.min_replicas}), a step a group was lost in "
+                "discarded, a restarted group healed from a live peer at bundle.init()")

@@ -1,0 +1,186 @@
+# One replica group of a fault_tolerant() run, its step log, and the one-process replay of it.
+"""Run as a script (``python tests/_fault_tolerance.py OUT``, or under torchrun for several
+ranks a group) it trains one replica group: every step it writes a line before the step
+(the samples it is about to train on) and one after (what the step did), flushed, so a
+group killed at any point leaves a log the replay can read. :func:`replay` trains one
+process on exactly the batches the quorum applied, for the comparison.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+SIZE, BATCH, FEATURES = 4096, 4, 8
+
+
+class Numbered(Dataset):
+    """Regression samples that carry their index, so a log can name what was trained on."""
+
+    def __init__(self, size=SIZE):
+        generator = torch.Generator().manual_seed(7)
+        self.x = torch.randn(size, FEATURES, generator=generator)
+        self.y = self.x @ torch.linspace(-1, 1, FEATURES).unsqueeze(1) + 0.1
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i], "index": i}
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + 0.01 * step))
+    return model, optimizer, scheduler
+
+
+def loss_fn(model, batch):
+    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def main():
+    import shardwise as sw
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--layout", default="one", choices=["one", "replicate", "shard"])
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds per step")
+    parser.add_argument("--save-every", type=int, default=0)
+    args = parser.parse_args()
+    out = Path(args.out)
+    env = sw.detect()
+    group = int(os.environ["REPLICA_GROUP_ID"])
+    inner = {"one": [], "replicate": [sw.replicate()],
+             "shard": [sw.shard(policy=sw.by_class(torch.nn.Linear))]}[args.layout]
+    model, optimizer, scheduler = model_and_optimizer()
+    loader = DataLoader(Numbered(), batch_size=BATCH, shuffle=True)
+    pipe = sw.pipeline(env, *inner, sw.fault_tolerant(min_replicas=1, timeout=10,
+                                                      quorum_timeout=60, hostname="127.0.0.1"))
+    bundle = pipe(model, optimizer, loader, scheduler=scheduler, loss_fn=loss_fn)
+    log = open(out / f"group{group}_rank{env.rank}.jsonl", "a")  # noqa: SIM115
+
+    def write(**record):
+        log.write(json.dumps({"time": time.time(), "group": group, **record}) + "\n")
+        log.flush()
+
+    write(event="start")
+    mine = out / f"ready{group}_{env.rank}"
+    if os.environ.get("FT_BARRIER") and not mine.exists():  # every group's first start
+        mine.touch()
+        while len(list(out.glob("ready*_*"))) < int(os.environ["FT_BARRIER"]):
+            time.sleep(0.01)
+    ckpt = out / f"ckpt_group{group}"
+    state = bundle.init()
+    replicas = bundle.engine.replicas
+    write(event="joined", step=state.step, healed_from=replicas.healed_from,
+          participants=replicas.participants)
+    def last_step(steps):  # the driver may end the run sooner: every group reads one file
+        stop = out / "stop_at"
+        return min(steps, int(stop.read_text())) if stop.exists() else steps
+
+    while state.step < last_step(args.steps):
+        for batch in bundle.loader:
+            write(event="batch", step=state.step + 1, index=batch["index"].tolist())
+            state, result = bundle.step(state, batch)
+            write(event="stepped", step=state.step, stepped=result.stepped,
+                  participants=replicas.participants)
+            if args.save_every and result.stepped and state.step % args.save_every == 0:
+                write(event="saving", step=state.step)
+                sw.save(bundle, state, ckpt)
+                write(event="saved", step=state.step)
+            if args.pause:
+                time.sleep(args.pause)
+            if state.step >= last_step(args.steps):
+                break
+    weights = {name: value.clone() for name, value in bundle.engine.full_state(bundle.model)}
+    if env.is_main:
+        torch.save({"weights": weights, "state": state.to_dict(),
+                    "discarded": replicas.discarded}, out / f"group{group}_final.pt")
+    write(event="done", step=state.step)
+
+
+def descendants(pid):
+    """``pid`` and every process below it (torchrun's workers lead sessions of their own,
+    so killing the launcher's process group leaves them running)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def kill_group(process):
+    """SIGKILL a replica group: its launcher and every process it started, at once."""
+    import signal
+
+    for pid in descendants(process.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+def records(out):
+    """Every line of every rank's log, per file, in order."""
+    return {path.name: [json.loads(line) for line in path.read_text().splitlines() if line]
+            for path in sorted(Path(out).glob("group*_rank*.jsonl"))}
+
+
+def applied_batches(out):
+    """``[(step, [indices of every rank of every group in its quorum])]`` for the steps the
+    quorum applied: a step any group applied, with every group's batch lines of that step
+    (a group killed after the others committed had contributed its gradient; a group lost
+    earlier has no line for it)."""
+    batches, applied = {}, {}
+    for name, lines in records(out).items():
+        rank = int(name.split("_rank")[1].split(".")[0])
+        for record in lines:
+            if record["event"] == "batch":
+                seen = batches.setdefault(record["step"], {})
+                key = (record["group"], rank)
+                assert key not in seen, f"group {key} read step {record['step']} twice"
+                seen[key] = record["index"]
+            elif record["event"] == "stepped" and record["stepped"]:
+                applied.setdefault(record["step"], set()).add(record["participants"])
+    steps = []
+    for step in sorted(applied):
+        (participants,) = applied[step]  # every group that applied it saw one quorum
+        lines = batches[step]
+        assert len({group for group, _ in lines}) == participants, (step, lines, participants)
+        steps.append((step, [i for key in sorted(lines) for i in lines[key]]))
+    return steps
+
+
+def replay(steps):
+    """One process trained on ``steps`` (from :func:`applied_batches`): its weights."""
+    model, optimizer, scheduler = model_and_optimizer()
+    data = Numbered()
+    for _, indices in steps:
+        batch = {"x": data.x[indices], "y": data.y[indices]}
+        loss_fn(model, batch).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return {name: value.detach() for name, value in model.state_dict().items()}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+# sw.fault_tolerant on torchft: replica groups as separate jobs, one SIGKILLed, healed, compared.
+# Its tests that start no process are in tests/unit/test_fault_tolerance_settings.py.
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import _fault_tolerance as ft
+
+pytest.importorskip("torchft", reason="the ft extra (pip install 'shardwise[ft]') is not installed")
+
+SCRIPT = str(Path(__file__).parents[1] / "_fault_tolerance.py")
+
+
+def lighthouse(min_replicas=1):
+    """``shardwise lighthouse`` on a free port of 127.0.0.1, short timeouts: (process, address)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "shardwise.cli", "lighthouse", "--host", "127.0.0.1", "--port", "0",
+         "--min-replicas", str(min_replicas), "--join-timeout-ms", "2000", "--heartbeat-timeout-ms", "1000",
+         "--quorum-tick-ms", "10"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        start_new_session=True)
+    port = re.search(r":(\d+) ", process.stdout.readline()).group(1)
+    return process, f"http://127.0.0.1:{port}"
+
+
+class Run:
+    """Two replica groups of tests/_fault_tolerance.py under one lighthouse, in ``out``."""
+
+    def __init__(self, out, *, layout="one", steps=40, pause=0.05, save_every=0, quorum=1):
+        self.out, self.layout, self.ranks = Path(out), layout, 1 if layout == "one" else 2
+        self.args = ["--steps", str(steps), "--pause", str(pause), "--layout", layout,
+                     "--save-every", str(save_every)]
+        self.house, address = lighthouse(quorum)
+        self.env = dict(os.environ, TORCHFT_LIGHTHOUSE=address, NUM_REPLICA_GROUPS="2",
+                        OMP_NUM_THREADS="1", FT_BARRIER=str(2 * self.ranks))
+        self.groups = {g: self.start(g) for g in (0, 1)}
+        self.starts = {0: 1, 1: 1}
+
+    def start(self, group):
+        command = [sys.executable, SCRIPT, str(self.out), *self.args]
+        if self.ranks > 1:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc_per_node={self.ranks}", *command[1:]]
+        with open(self.out / f"group{group}.out", "a") as log:
+            return subprocess.Popen(command, env=dict(self.env, REPLICA_GROUP_ID=str(group)),
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def lines(self, group):
+        path = self.out / f"group{group}_rank0.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line] \
+            if path.exists() else []
+
+    def wait_for(self, group, test, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = self.lines(group)
+            if test(lines):
+                return lines
+            for g, p in self.groups.items():
+                assert p is None or p.poll() in (None, 0), f"group {g} failed:\n{self.output(g)}"
+            time.sleep(0.005)
+        raise AssertionError(f"group {group}: timed out waiting\n{self.output(group)}")
+
+    def kill(self, group):
+        """SIGKILL the group (launcher and ranks); its time."""
+        ft.kill_group(self.groups[group])
+        self.groups[group] = None
+        return time.time()
+
+    def restart(self, group):
+        self.groups[group] = self.start(group)
+        self.starts[group] += 1
+
+    def stop_soon(self, extra=10):
+        """End the run ``extra`` steps after the furthest group's step (both read the file
+        long before they get there, so both stop at it)."""
+        step = max((r["step"] for g in (0, 1) for r in self.lines(g) if r["event"] == "stepped"),
+                   default=0)
+        (self.out / "stop_at.tmp").write_text(str(step + extra))
+        (self.out / "stop_at.tmp").replace(self.out / "stop_at")
+
+    def finish(self, timeout=180):
+        try:
+            for group, process in self.groups.items():
+                code = process.wait(timeout=timeout)
+                assert code == 0, f"group {group} exited {code}:\n{self.output(group)}"
+        finally:
+            for process in self.groups.values():
+                if process.poll() is None:
+                    ft.kill_group(process)
+            self.house.terminate()
+            self.house.wait()
+        finals = [torch.load(self.out / f"group{g}_final.pt") for g in (0, 1)]
+        return finals
+
+    def output(self, group):
+        path = self.out / f"group{group}.out"
+        return path.read_text()[-4000:] if path.exists() else ""
+
+
+def assert_same_weights(finals, steps):
+    """Both groups hold the same weights, and they are one process's on the batches the
+    quorum applied."""
+    first, second = finals
+    assert first["state"] == second["state"]
+    for name, value in first["weights"].items():
+        assert torch.equal(value, second["weights"][name]), name
+    reference = ft.replay(steps)
+    for name, value in reference.items():
+        torch.testing.assert_close(first["weights"][name], value, rtol=0, atol=1e-5)
+
+
+def test_two_healthy_groups_equal_one_process_on_the_global_batch(tmp_path):
+    """Every step's quorum holds both groups; the weights equal one process trained on both
+    groups' batches together (each group reads its own half of the data). The lighthouse
+    waits for both (a quorum of 2), so neither starts alone."""
+    run = Run(tmp_path, steps=12, pause=0, quorum=2)
+    finals = run.finish()
+    steps = ft.applied_batches(tmp_path)
+    assert [s for s, _ in steps] == list(range(1, 13))
+    assert all(len(indices) == 2 * ft.BATCH for _, indices in steps)
+    participants = {r["participants"] for g in (0, 1) for r in run.lines(g)
+                    if r["event"] == "stepped"}
+    assert participants == {2}
+    halves = [{i for r in run.lines(g) if r["event"] == "batch" for i in r["index"]} for g in (0, 1)]
+    assert not halves[0] & halves[1]
+    assert_same_weights(finals, steps)
+
+
+def kill_and_heal(tmp_path, layout):
+    """Kill group 0 mid-run; group 1 goes on alone; group 0 restarted heals from it."""
+    run = Run(tmp_path, layout=layout, steps=400, pause=0.05)
+    run.wait_for(0, lambda lines: sum(r["event"] == "stepped" for r in lines) >= 5)
+    time.sleep(random.uniform(0, 0.1))
+    killed = run.kill(0)
+    run.wait_for(1, lambda lines: sum(r["event"] == "stepped" and r["time"] > killed
+                                      for r in lines) >= 5)
+    run.restart(0)
+    after = run.wait_for(0, lambda lines: any(r["event"] == "stepped" and r["time"] > killed
+                                             for r in lines))
+    run.stop_soon()
+    finals = run.finish()
+    joined = [r for r in after if r["event"] == "joined" and r["time"] > killed][0]
+    healed = [r for r in after if r["event"] == "stepped" and r["time"] > killed][0]
+    survivor = run.lines(1)
+    gone = [r for r in survivor if r["event"] == "stepped" and killed < r["time"] < joined["time"]]
+    in_flight = [r for r in gone if r["participants"] == 2]  # its quorum formed before the kill
+    alone = [r for r in gone if r["participants"] == 1]
+    print(f"\n{layout}: group 1 stepped {len(alone)} times alone; group 0 healed to step "
+          f"{joined['healed_from']}; recovery (kill to the healed group's first step) "
+          f"{healed['time'] - killed:.2f} s")
+    assert run.starts[1] == 1 and sum(r["event"] == "start" for r in survivor) == 1
+    assert len(in_flight) <= 1 and gone[len(in_flight):] == alone and len(alone) >= 5
+    assert all(r["stepped"] for r in alone)
+    assert joined["healed_from"] is not None and joined["healed_from"] >= alone[-1]["step"]
+    lost = [r for r in survivor if r["event"] == "stepped" and not r["stepped"]]
+    assert len(lost) <= 1  # at most the step in flight
+    assert_same_weights(finals, ft.applied_batches(tmp_path))
+
+
+def test_a_killed_group_heals_from_its_peer_which_never_stopped(tmp_path):
+    kill_and_heal(tmp_path, "one")
+
+
+def test_a_killed_group_of_two_sharded_ranks_heals_from_its_peer(tmp_path):
+    kill_and_heal(tmp_path, "shard")

@@ -1,0 +1,94 @@
+# sw.fault_tolerant without processes: refusals, the data split across replica groups, explain.
+# The runs with replica groups killed and healed are in tests/distributed/test_fault_tolerance.py.
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import shardwise as sw
+from shardwise.cli import main as cli
+from shardwise.errors import ArgumentError, ConflictError, FaultToleranceError
+from shardwise.parallel.mesh import data_share
+from shardwise.testing import TinyMLP
+
+
+def one_process():
+    return sw.Env(world_size=1, rank=0)
+
+
+def test_without_torchft_the_transform_is_refused_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    model = TinyMLP()
+    pipe = sw.pipeline(one_process(), sw.fault_tolerant(group=0, groups=1))
+    with pytest.raises(FaultToleranceError, match=r"pip install 'shardwise\[ft\]'"):
+        pipe(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_the_group_and_the_count_come_from_torchfts_variables():
+    env = sw.detect(environ={"NUM_REPLICA_GROUPS": "2"})
+    with pytest.raises(FaultToleranceError, match="REPLICA_GROUP_ID is not set"):
+        sw.fault_tolerant().replica(env)
+    env = sw.detect(environ={"NUM_REPLICA_GROUPS": "2", "REPLICA_GROUP_ID": "1",
+                             "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510"})
+    assert sw.fault_tolerant().replica(env) == (1, 2)
+    assert env.lighthouse == "http://127.0.0.1:29510"
+    assert sw.fault_tolerant(group=0).replica(env) == (0, 2)  # given beats the variable
+    env = sw.detect(environ={"NUM_REPLICA_GROUPS": "2", "REPLICA_GROUP_ID": "2"})
+    with pytest.raises(FaultToleranceError, match=r"replica group 2 of 2; accepted: 0 \.\. 1"):
+        sw.fault_tolerant().replica(env)
+    with pytest.raises(sw.errors.EnvError, match="REPLICA_GROUP_ID must be an integer"):
+        sw.detect(environ={"REPLICA_GROUP_ID": "x"})
+    with pytest.raises(sw.errors.EnvError, match="NUM_REPLICA_GROUPS must be an integer >= 1"):
+        sw.detect(environ={"NUM_REPLICA_GROUPS": "0"})
+
+
+@pytest.mark.parametrize("bad", [dict(min_replicas=0), dict(group=-1), dict(groups=0),
+                                 dict(timeout=0)])
+def test_bad_settings_are_refused_by_name(bad):
+    with pytest.raises(ArgumentError, match=next(iter(bad))):
+        sw.fault_tolerant(**bad)
+
+
+@pytest.mark.parametrize("other", ["shard_optimizer", "pipeline_parallel", "context_parallel",
+                                   "expert_parallel"])
+def test_what_is_not_carried_across_groups_is_refused_by_name(other):
+    parts = {"shard_optimizer": [sw.replicate(), sw.shard_optimizer()]}.get(
+        other, [getattr(sw, other)()])
+    with pytest.raises(ConflictError, match=f"{other}\\(\\) is not carried across replica"):
+        sw.pipeline(sw.Env(world_size=2, rank=0), *parts, sw.fault_tolerant(group=0, groups=2))
+
+
+def test_the_data_is_split_over_every_groups_ranks_as_torchfts_sampler():
+    env = sw.Env(world_size=2, rank=1)
+    assert data_share(env, None, (0, 3)) == (6, 1, 1)
+    assert data_share(env, None, (2, 3)) == (6, 5, 1)
+    # one process a group: group g reads share g of the groups
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    model = TinyMLP()
+    pipe = sw.pipeline(one_process(), sw.fault_tolerant(group=1, groups=2))
+    bundle = pipe(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+    assert [b[0].tolist() for b in bundle.loader] == [[1.0, 3.0], [5.0, 7.0]]
+
+
+def test_a_step_before_the_group_joined_is_refused():
+    model = TinyMLP()
+    pipe = sw.pipeline(one_process(), sw.fault_tolerant(group=0, groups=1))
+    bundle = pipe(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(FaultToleranceError, match=r"call state = bundle.init\(\)"):
+        bundle.step(sw.TrainState(), (torch.randn(2, 8), torch.randn(2, 1)))
+
+
+def test_explain_says_what_a_lost_group_costs():
+    text = sw.pipeline(sw.Env(world_size=2, rank=0), sw.shard(),
+                       sw.fault_tolerant(group=1, groups=4)).explain()
+    assert "torchft across replica groups (group 1 of 4" in text
+    assert "a step a group is lost in is discarded" in text
+    assert "a lost group's batches not trained" in text
+
+
+def test_the_lighthouse_command_refuses_bad_numbers(capsys):
+    assert cli(["lighthouse", "--min-replicas", "0"]) == 2
+    assert "--min-replicas 0: accepted: an integer >= 1" in capsys.readouterr().err
+    assert cli(["lighthouse", "--min-replicas", "1", "--port", "70000"]) == 2
+    assert "--port 70000: accepted: 0 .. 65535" in capsys.readouterr().err

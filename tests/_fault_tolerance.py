@@ -79,6 +79,7 @@ def main():
         while len(list(out.glob("ready*_*"))) < int(os.environ["FT_BARRIER"]):
             time.sleep(0.01)
     ckpt = out / f"ckpt_group{group}"
+    write(event="joining")
     state = bundle.init()
     replicas = bundle.engine.replicas
     write(event="joined", step=state.step, healed_from=replicas.healed_from,
@@ -95,7 +96,7 @@ def main():
                   participants=replicas.participants)
             if args.save_every and result.stepped and state.step % args.save_every == 0:
                 write(event="saving", step=state.step)
-                sw.save(bundle, state, ckpt)
+                sw.save(ckpt, bundle, state)
                 write(event="saved", step=state.step)
             if args.pause:
                 time.sleep(args.pause)

@@ -171,3 +171,65 @@ def test_a_killed_group_heals_from_its_peer_which_never_stopped(tmp_path):
 
 def test_a_killed_group_of_two_sharded_ranks_heals_from_its_peer(tmp_path):
     kill_and_heal(tmp_path, "shard")
+
+
+def together(run):
+    """Both groups' last steps had both in the quorum (neither is down or healing)."""
+    def both(lines):
+        stepped = [r for r in lines if r["event"] == "stepped"]
+        return len(stepped) >= 2 and all(r["participants"] == 2 for r in stepped[-2:])
+    for group in (0, 1):
+        run.wait_for(group, both)
+
+
+def test_ten_kills_at_random_points_healing_and_saving_included(tmp_path):
+    """Ten kills, the groups in turn: at a random moment, while the group saves a checkpoint,
+    and while a restarted group heals. The survivor of each goes on; every restarted group
+    heals; both end with the same weights, one process's on the applied batches; each
+    group's newest checkpoint verifies and loads."""
+    import shardwise as sw
+
+    seed = random.randrange(10**6)
+    rng = random.Random(seed)
+    kinds = ["anywhere"] * 6 + ["saving"] * 2 + ["healing"] * 2
+    rng.shuffle(kinds)
+    run = Run(tmp_path, steps=10**6, pause=0.02, save_every=5)
+    healing_hit, recoveries = 0, []
+    for number, kind in enumerate(kinds):
+        victim = number % 2
+        together(run)
+        if kind == "saving":
+            run.wait_for(victim, lambda lines: lines[-1]["event"] == "saving")
+        else:
+            time.sleep(rng.uniform(0, 0.3))
+        killed = run.kill(victim)
+        run.restart(victim)
+        if kind == "healing":
+            run.wait_for(victim, lambda lines, t=killed: any(
+                r["event"] == "joining" and r["time"] > t for r in lines))
+            time.sleep(rng.uniform(0, 0.02))
+            run.kill(victim)
+            healing_hit += not any(r["event"] == "joined" and r["time"] > killed
+                                   for r in run.lines(victim))
+            killed = time.time()
+            run.restart(victim)
+        first = run.wait_for(victim, lambda lines, t=killed: any(
+            r["event"] == "stepped" and r["time"] > t for r in lines))
+        recoveries.append(min(r["time"] for r in first if r["event"] == "stepped"
+                              and r["time"] > killed) - killed)
+    together(run)
+    run.stop_soon()
+    finals = run.finish()
+    print(f"\nseed {seed}: {kinds}; killed mid-heal {healing_hit} of 2 times; recovery "
+          f"(kill to the healed group's first step) {min(recoveries):.2f}-{max(recoveries):.2f} s")
+    assert run.starts == {g: 1 + len(kinds[g::2]) + kinds[g::2].count("healing") for g in (0, 1)}
+    for group in (0, 1):
+        healed = [r for r in run.lines(group) if r["event"] == "joined"][1:]
+        assert all(r["healed_from"] is not None for r in healed[-1:])
+    assert_same_weights(finals, ft.applied_batches(tmp_path))
+    model, optimizer, scheduler = ft.model_and_optimizer()
+    bundle = sw.pipeline(sw.Env())(model, optimizer, scheduler=scheduler)
+    for group in (0, 1):
+        saved = [r["step"] for r in run.lines(group) if r["event"] == "saved"]
+        state = sw.load(tmp_path / f"ckpt_group{group}", bundle)
+        assert state.step in saved and state.step >= max(saved) - 5

@@ -92,3 +92,11 @@ def test_the_lighthouse_command_refuses_bad_numbers(capsys):
     assert "--min-replicas 0: accepted: an integer >= 1" in capsys.readouterr().err
     assert cli(["lighthouse", "--min-replicas", "1", "--port", "70000"]) == 2
     assert "--port 70000: accepted: 0 .. 65535" in capsys.readouterr().err
+
+
+def test_save_with_its_arguments_swapped_is_refused_by_name(tmp_path):
+    model = TinyMLP()
+    bundle = sw.pipeline(one_process())(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ArgumentError, match=r"save\(directory, bundle, state\): got a TrainState "
+                                            "as bundle and a PosixPath as state"):
+        sw.save(bundle, bundle.init(), tmp_path)

@@ -183,6 +183,11 @@ def save(directory: str | os.PathLike[str], bundle: Bundle, state: TrainState, *
 def _check_save(bundle: Bundle, state: TrainState, keep_last: Any, blocking: Any,
                 name: Any) -> None:
     """Refuse, before anything is written, what save() cannot do."""
+    if not isinstance(bundle, Bundle) or not isinstance(state, TrainState):
+        raise ArgumentError(
+            f"save(directory, bundle, state): got a {type(bundle).__name__} as bundle and a "
+            f"{type(state).__name__} as state; pass the directory first, then the Bundle, then "
+            "the TrainState step() returned")
     if name is not None:
         try:
             check_name(name, "save()")

@@ -42,6 +42,11 @@ def model_and_optimizer():
     return model, optimizer, scheduler
 
 
+def outer(params):
+    """DiLoCo's outer optimizer (its paper's: Nesterov momentum on the averaged change)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
 def loss_fn(model, batch):
     return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
 
@@ -55,6 +60,8 @@ def main():
     parser.add_argument("--layout", default="one", choices=["one", "replicate", "shard"])
     parser.add_argument("--pause", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--local-sgd", type=int, default=0, help="average every k steps")
+    parser.add_argument("--diloco", action="store_true", help="with an outer Nesterov SGD")
     args = parser.parse_args()
     out = Path(args.out)
     env = sw.detect()
@@ -63,6 +70,8 @@ def main():
              "shard": [sw.shard(policy=sw.by_class(torch.nn.Linear))]}[args.layout]
     model, optimizer, scheduler = model_and_optimizer()
     loader = DataLoader(Numbered(), batch_size=BATCH, shuffle=True)
+    if args.local_sgd:
+        inner.append(sw.local_sgd(every=args.local_sgd, outer=outer if args.diloco else None))
     pipe = sw.pipeline(env, *inner, sw.fault_tolerant(min_replicas=1, timeout=10,
                                                       quorum_timeout=60, hostname="127.0.0.1"))
     bundle = pipe(model, optimizer, loader, scheduler=scheduler, loss_fn=loss_fn)
@@ -185,3 +194,54 @@ def replay(steps):
 
 if __name__ == "__main__":
     main()
+
+
+def group_batches(out):
+    """``{group: [(step, indices)]}``: what each group trained on, step by step (rank 0's
+    lines of one-process groups)."""
+    found = {}
+    for name, lines in records(out).items():
+        if name.endswith("_rank0.jsonl"):
+            group = int(name[len("group"):name.index("_")])
+            found[group] = [(r["step"], r["index"]) for r in lines if r["event"] == "batch"]
+    return found
+
+
+def replay_local_sgd(out, every, diloco):
+    """Two groups of one process in one process, each on its own batches, averaged every
+    ``every`` steps (with the outer optimizer under DiLoCo): their common weights."""
+    data = Numbered()
+    groups = [model_and_optimizer() for _ in range(2)]
+    batches = group_batches(out)
+    backup = [p.detach().clone() for p in groups[0][0].parameters()]
+    outer_opt = outer(backup) if diloco else None
+
+    def sync():
+        params = [list(model.parameters()) for model, _, _ in groups]
+        with torch.no_grad():
+            if outer_opt is None:
+                for tensors in zip(*params, strict=True):
+                    mean = sum(t.detach() for t in tensors) / len(tensors)
+                    for t in tensors:
+                        t.copy_(mean)
+                return
+            for i, tensors in enumerate(zip(*params, strict=True)):
+                backup[i].grad = sum(backup[i] - t.detach() for t in tensors) / len(tensors)
+            outer_opt.step()
+            outer_opt.zero_grad()
+            for tensors in params:
+                for t, b in zip(tensors, backup, strict=True):
+                    t.copy_(b)
+
+    sync()  # the join's average at step 0 (equal weights: no change; DiLoCo's momentum starts)
+    steps = len(batches[0])
+    for index in range(steps):
+        for g, (model, optimizer, scheduler) in enumerate(groups):
+            step, indices = batches[g][index]
+            loss_fn(model, {"x": data.x[indices], "y": data.y[indices]}).backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if (index + 1) % every == 0:
+            sync()
+    return {name: value.detach() for name, value in groups[0][0].state_dict().items()}

@@ -42,7 +42,9 @@ class Plan:
         pipeline_parallel: the ``pipeline_parallel`` transform, whose size the data split,
             the step and ``explain()`` read (None: every rank holds every layer).
         local_sgd_every: local SGD: gradients stay on each rank and the replicas' parameters
-            are averaged every this many optimizer steps (None: gradients averaged each step).
+            are averaged every this many optimizer steps (None: gradients averaged each step);
+            beside ``fault_tolerant`` the replicas are its replica groups.
+        local_sgd_outer: DiLoCo's outer optimizer factory (across replica groups), or None.
         fault_tolerant: the ``fault_tolerant`` transform, whose replica groups the data
             split reads (None: one job is the whole data-parallel world).
         applied: the transforms applied so far, in order.
@@ -63,6 +65,7 @@ class Plan:
     context_parallel: Any = None
     pipeline_parallel: Any = None
     local_sgd_every: int | None = None
+    local_sgd_outer: Any = None
     fault_tolerant: Any = None
     applied: tuple[Any, ...] = ()
     mesh: MeshLayout | None = None

@@ -211,6 +211,9 @@ class Stepper:
             window_weighted=None if boundary else done.weighted,
             window_losses=None if boundary else done.losses,
             synced=state.synced or done.synced, pending_check=end.pending)
+        if boundary:
+            with self.naming_failures(state, micro.index):
+                engine.after_window(run, next_state)
         samples, tokens = batch_counts(batch)
         return next_state, StepOutput(loss=done.loss, grad_norm=end.norm,
                                       stepped=boundary and not end.skipped, lr=lr,

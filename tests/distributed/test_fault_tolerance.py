@@ -33,10 +33,13 @@ def lighthouse(min_replicas=1):
 class Run:
     """Two replica groups of tests/_fault_tolerance.py under one lighthouse, in ``out``."""
 
-    def __init__(self, out, *, layout="one", steps=40, pause=0.05, save_every=0, quorum=1):
+    def __init__(self, out, *, layout="one", steps=40, pause=0.05, save_every=0, quorum=1,
+                 local_sgd=0, diloco=False):
         self.out, self.layout, self.ranks = Path(out), layout, 1 if layout == "one" else 2
         self.args = ["--steps", str(steps), "--pause", str(pause), "--layout", layout,
-                     "--save-every", str(save_every)]
+                     "--save-every", str(save_every), "--local-sgd", str(local_sgd),
+                     *(["--diloco"] if diloco else [])]
+        self.every = local_sgd or 1
         self.house, address = lighthouse(quorum)
         self.env = dict(os.environ, TORCHFT_LIGHTHOUSE=address, NUM_REPLICA_GROUPS="2",
                         OMP_NUM_THREADS="1", FT_BARRIER=str(2 * self.ranks))
@@ -83,7 +86,8 @@ class Run:
         long before they get there, so both stop at it)."""
         step = max((r["step"] for g in (0, 1) for r in self.lines(g) if r["event"] == "stepped"),
                    default=0)
-        (self.out / "stop_at.tmp").write_text(str(step + extra))
+        stop = -(-(step + extra) // self.every) * self.every  # local SGD: at an average
+        (self.out / "stop_at.tmp").write_text(str(stop))
         (self.out / "stop_at.tmp").replace(self.out / "stop_at")
 
     def finish(self, timeout=180):
@@ -233,3 +237,40 @@ def test_ten_kills_at_random_points_healing_and_saving_included(tmp_path):
         saved = [r["step"] for r in run.lines(group) if r["event"] == "saved"]
         state = sw.load(tmp_path / f"ckpt_group{group}", bundle)
         assert state.step in saved and state.step >= max(saved) - 5
+
+
+@pytest.mark.parametrize("diloco", [False, True], ids=["local_sgd", "diloco"])
+def test_local_sgd_and_diloco_across_groups_equal_two_replicas_in_one_process(tmp_path, diloco):
+    """Each group steps on its own batches; every 3rd step the groups average their
+    parameters (DiLoCo: their change, through Nesterov momentum): one process simulating
+    the two groups gets the same weights."""
+    run = Run(tmp_path, steps=12, pause=0, quorum=2, local_sgd=3, diloco=diloco)
+    finals = run.finish()
+    first, second = finals
+    for name, value in first["weights"].items():
+        assert torch.equal(value, second["weights"][name]), name
+    reference = ft.replay_local_sgd(tmp_path, every=3, diloco=diloco)
+    for name, value in reference.items():
+        torch.testing.assert_close(first["weights"][name], value, rtol=0, atol=1e-5)
+
+
+def test_diloco_survives_a_lost_group_and_heals_it(tmp_path):
+    """DiLoCo every 3 steps: group 0 killed, group 1 averages alone, group 0 restarted heals
+    at the next average (its weights, optimizers and the outer optimizer's momentum), and
+    both end on one model."""
+    run = Run(tmp_path, steps=10**6, pause=0.02, local_sgd=3, diloco=True)
+    run.wait_for(0, lambda lines: sum(r["event"] == "stepped" for r in lines) >= 6)
+    killed = run.kill(0)
+    run.wait_for(1, lambda lines: sum(r["event"] == "stepped" and r["time"] > killed
+                                      for r in lines) >= 6)
+    run.restart(0)
+    after = run.wait_for(0, lambda lines: any(r["event"] == "stepped" and r["time"] > killed
+                                             for r in lines))
+    run.stop_soon()
+    first, second = run.finish()
+    joined = [r for r in after if r["event"] == "joined" and r["time"] > killed][0]
+    assert joined["healed_from"] is not None and joined["healed_from"] % 3 == 0
+    assert run.starts[1] == 1
+    assert first["state"] == second["state"]
+    for name, value in first["weights"].items():
+        assert torch.equal(value, second["weights"][name]), name

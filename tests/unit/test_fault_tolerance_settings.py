@@ -100,3 +100,16 @@ def test_save_with_its_arguments_swapped_is_refused_by_name(tmp_path):
     with pytest.raises(ArgumentError, match=r"save\(directory, bundle, state\): got a TrainState "
                                             "as bundle and a PosixPath as state"):
         sw.save(bundle, bundle.init(), tmp_path)
+
+
+def test_diloco_needs_replica_groups_and_a_callable_outer_optimizer():
+    outer = lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
+    with pytest.raises(ConflictError, match=r"needs fault_tolerant\(\): outer= \(DiLoCo\)"):
+        sw.pipeline(sw.Env(world_size=2, rank=0), sw.replicate(), sw.local_sgd(2, outer=outer))
+    with pytest.raises(ArgumentError, match=r"local_sgd\(outer=0.7\): accepted: a callable"):
+        sw.local_sgd(2, outer=0.7)
+    text = sw.pipeline(sw.Env(world_size=2, rank=0), sw.replicate(),
+                       sw.local_sgd(2, outer=outer), sw.fault_tolerant(group=0, groups=2)).explain()
+    assert "torchft across replica groups" in text
+    assert "local SGD across torchft's replica groups: each group trains on its own" in text
+    assert "DiLoCo: the change since the last average" in text

@@ -13,7 +13,8 @@ from _local_sgd import EVERY, batches, snapshot
 def test_local_sgd_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="every"):
         sw.local_sgd(every=0)
-    with pytest.raises(ConflictError, match=r"local_sgd\(every=2\) needs replicate\(\)"):
+    with pytest.raises(ConflictError, match=r"local_sgd\(every=2, outer=None\) needs replicate\(\) or "
+                                           r"fault_tolerant\(\)"):
         sw.pipeline(sw.Env(), sw.shard(), sw.local_sgd(every=2))
     with pytest.raises(ConflictError, match="ZeRO-1 broadcasts"):
         sw.pipeline(sw.Env(), sw.replicate(), sw.shard_optimizer(), sw.local_sgd(every=2))

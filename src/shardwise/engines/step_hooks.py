@@ -9,7 +9,9 @@ moves and checks the batch, and builds the next :class:`~shardwise.state.TrainSt
   control of gradient synchronisation;
 - :meth:`StepHooks.end_window`: at a window's last micro-batch, the reduction and
   normalisation of the window's gradients, clipping, the finiteness check and the
-  optimizer step.
+  optimizer step;
+- :meth:`StepHooks.after_window`: once the window's next state is built (a no-op but for
+  local SGD across torchft's replica groups, which averages there).
 
 The native engines (one process, DDP, FSDP2, tensor parallel) share the implementation
 here and override only small questions (:meth:`~StepHooks.no_sync`, :meth:`~StepHooks.clip`,
@@ -356,6 +358,11 @@ class StepHooks:
             run.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         return WindowEnd(norm, not finite)
+
+    def after_window(self, run: StepRun, state: TrainState) -> None:
+        """After a window ended and ``state`` (the one ``step()`` returns) was built: what
+        must see the finished step's state (replicas averaged across groups); nothing by
+        default."""
 
     def _normalise(self, run: StepRun, total: torch.Tensor) -> None:
         """Divide summed gradients by the items of the whole window on all ranks."""

@@ -29,7 +29,8 @@ from shardwise.engines.base import Engine, MemoryParts
 from shardwise.engines.step_hooks import Backward, Micro, NoSync, StepRun, WindowEnd
 from shardwise.env import Env
 from shardwise.errors import FaultToleranceError
-from shardwise.fault_tolerance.joining import join
+from shardwise.fault_tolerance.healing import held_optimizer
+from shardwise.fault_tolerance.joining import average, average_parameters, join
 from shardwise.state import TrainState
 
 __all__ = ["FaultTolerantEngine", "Replicas"]
@@ -56,6 +57,11 @@ class Replicas:
         hostname: the address this group's manager and checkpoint server advertise.
         callbacks: the state-dict callbacks torchft calls (set at the join).
         store: the TCPStore of a group started without torchrun, kept alive.
+        every: local SGD across groups: parameters averaged every this many steps (None:
+            gradients every step).
+        outer_factory: DiLoCo's outer optimizer, built from the last average's tensors.
+        outer: that optimizer, once built; backup: the last average (each rank's parts).
+        pending: a healing peer's :meth:`extra_state`, until the outer optimizer exists.
     """
 
     group: int
@@ -72,26 +78,18 @@ class Replicas:
     hostname: str = "localhost"
     callbacks: Any = None
     store: Any = None
+    every: int | None = None
+    outer_factory: Any = None
+    outer: Any = None
+    backup: list[torch.Tensor] | None = None
+    pending: dict[str, Any] | None = None
 
-
-def _average(manager: Any, tensors: list[torch.Tensor]) -> None:
-    """Average ``tensors`` over the quorum's groups in place: one managed all-reduce per
-    dtype and device, through a flat buffer. A failed all-reduce is torchft's to report (the
-    window is then not committed)."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    pending = []
-    for group in groups.values():
-        flat = _flatten_dense_tensors(group)
-        pending.append((group, flat, manager.allreduce(flat)))
-    with torch.no_grad():
-        for group, flat, work in pending:
-            work.wait()
-            for tensor, mean in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-                tensor.copy_(mean)
+    def extra_state(self) -> dict[str, Any]:
+        """What a healing peer needs beside the bundle's objects: DiLoCo's last average and
+        its outer optimizer's state."""
+        if self.outer is None or self.backup is None:
+            return {}
+        return {"backup": self.backup, "outer": held_optimizer(self.outer)}
 
 
 @attrs.frozen
@@ -225,19 +223,13 @@ class FaultTolerantEngine(Engine):
             replicas.state = state
             if replicas.joined:
                 replicas.joined = False  # the join formed this window's quorum
-            else:
+            elif replicas.every is None:
                 run.phase = "torchft quorum"
                 manager = self._manager()
                 replicas.callbacks.healed.clear()
                 manager.start_quorum()
                 if replicas.callbacks.healed:
-                    raise FaultToleranceError(
-                        f"replica group {replicas.group} fell behind its peers mid-run (its "
-                        f"update of step {state.step} was discarded where theirs committed) "
-                        "and torchft healed it from a peer; the batch in hand is from its own "
-                        "position, not the healed one. Restart the group (torchrun "
-                        "--max-restarts): it heals at bundle.init() and reads from the peers' "
-                        "data position")
+                    raise self._fell_behind(state)
             replicas.participants = self._manager().num_participants()
         return self.inner.backward(run, state, batch, micro)
 
@@ -245,11 +237,13 @@ class FaultTolerantEngine(Engine):
                    ) -> WindowEnd:
         manager = self._manager()
         replicas = self.replicas
+        if replicas.every is not None:  # local SGD: the group steps alone (after_window)
+            return self.inner.end_window(run, state, done, micro)
         run.phase = "all-reduce across torchft replica groups"
         grads = [self.inner.local(p.grad) for p in run.params if p.grad is not None]
         if done.total is not None:  # the items of a weighted window: averaged like gradients
             grads.append(done.total)
-        _average(manager, grads)
+        average(manager, grads)
         run.phase = "torchft should_commit"
         if not manager.should_commit():
             replicas.discarded += 1
@@ -259,12 +253,40 @@ class FaultTolerantEngine(Engine):
         replicas.committed += 1
         return self.inner.end_window(run, state, done, micro)
 
+    def after_window(self, run: StepRun, state: TrainState) -> None:
+        """Local SGD across groups: every ``every``-th step, a quorum and the average, with
+        ``state`` (the finished step's) what a healing peer is sent."""
+        replicas = self.replicas
+        self.inner.after_window(run, state)
+        if replicas.every is None or state.step % replicas.every:
+            return
+        replicas.state = attrs.evolve(state, pending_check=None)
+        run.phase = "averaging across torchft replica groups (local SGD)"
+        replicas.callbacks.healed.clear()
+        manager = self._manager()
+        manager.start_quorum()
+        if replicas.callbacks.healed:
+            raise self._fell_behind(state)
+        replicas.participants = manager.num_participants()
+        average_parameters(self, run.model)
+
+    def _fell_behind(self, state: TrainState) -> FaultToleranceError:
+        return FaultToleranceError(
+            f"replica group {self.replicas.group} fell behind its peers mid-run (an update "
+            f"near step {state.step} was discarded where theirs committed) and torchft healed "
+            "it from a peer; the batch in hand is from its own position, not the healed one. "
+            "Restart the group (torchrun --max-restarts): it heals at bundle.init() and reads "
+            "from the peers' data position")
+
     def begin(self, bundle: Any, state: TrainState) -> TrainState:
         return join(self, bundle, state)
 
     def describe(self, env: Env) -> str:
         replicas = self.replicas
+        what = ("gradients averaged over the groups in each step's quorum" if replicas.every
+                is None else f"parameters averaged every {replicas.every} steps (local SGD"
+                f"{', DiLoCo outer optimizer' if replicas.outer_factory else ''})")
         return (f"{self.inner.describe(env)}; across torchft replica groups: group "
-                f"{replicas.group} of {replicas.groups}, gradients averaged over the groups in "
-                f"each step's quorum (at least {self.min_replicas}), a step a group was lost in "
-                "discarded, a restarted group healed from a live peer at bundle.init()")
+                f"{replicas.group} of {replicas.groups}, {what} (quorums of at least "
+                f"{self.min_replicas}), an average a group was lost in discarded, a restarted "
+                "group healed from a live peer at bundle.init()")

@@ -19,10 +19,10 @@ from shardwise.engines.ddp import _materialise
 from shardwise.errors import FaultToleranceError
 from shardwise.state import TrainState
 
-__all__ = ["held_state", "put_back"]
+__all__ = ["held_state", "put_back", "held_optimizer", "put_back_optimizer", "local"]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's shard, any other tensor itself."""
     local = getattr(tensor, "to_local", None)
     return local() if callable(local) else tensor
@@ -31,16 +31,39 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers by name, as this rank holds them (no state-dict hooks: FSDP2's
     would gather)."""
-    held = {f"p:{name}": _local(p.detach()) for name, p in model.named_parameters()}
-    held.update({f"b:{name}": _local(b) for name, b in model.named_buffers()})
+    held = {f"p:{name}": local(p.detach()) for name, p in model.named_parameters()}
+    held.update({f"b:{name}": local(b) for name, b in model.named_buffers()})
     return held
+
+
+def held_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's state (this rank's parts) and hyperparameters, for :func:`put_back_optimizer`."""
+    return {"state": _optimizer_tensors(optimizer),
+            "param_groups": [{k: v for k, v in group.items() if k != "params"}
+                             for group in optimizer.param_groups]}
+
+
+def put_back_optimizer(held: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Copy :func:`held_optimizer`'s state into ``optimizer``'s, in place."""
+    saved: dict[int, dict[str, Any]] = held["state"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if saved and not all(p in optimizer.state for p in params if p.requires_grad):
+        _materialise(optimizer)  # the state tensors to copy into (a step at rate 0)
+    for index, param in enumerate(params):
+        for key, value in saved.get(index, {}).items():
+            current = optimizer.state[param].get(key)
+            if isinstance(current, torch.Tensor):
+                _copy(local(current), value, f"optimizer state {key!r} of parameter {index}")
+            else:
+                optimizer.state[param][key] = value
+    set_hyperparameters(optimizer, held["param_groups"])
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     """The optimizer's state by the parameter's place in its param groups, each tensor this
     rank's part."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {index: {key: _local(value) if isinstance(value, torch.Tensor) else value
+    return {index: {key: local(value) if isinstance(value, torch.Tensor) else value
                     for key, value in optimizer.state[param].items()}
             for index, param in enumerate(params) if param in optimizer.state}
 
@@ -53,9 +76,7 @@ def held_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, schedu
     the next optimizer step)."""
     held: dict[str, Any] = {"model": _tensors(model), "train_state": state.to_dict()}
     if optimizer is not None:
-        held["optimizer"] = _optimizer_tensors(optimizer)
-        held["param_groups"] = [{k: v for k, v in group.items() if k != "params"}
-                                for group in optimizer.param_groups]
+        held["optimizer"] = held_optimizer(optimizer)
     if scheduler is not None:
         held["scheduler"] = scheduler.state_dict()
     if scaler is not None:
@@ -93,18 +114,7 @@ def put_back(held: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
     for name, tensor in mine.items():
         _copy(tensor, theirs[name], name[2:])
     if optimizer is not None and "optimizer" in held:
-        saved: dict[int, dict[str, Any]] = held["optimizer"]
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if saved and not all(p in optimizer.state for p in params if p.requires_grad):
-            _materialise(optimizer)  # the state tensors to copy into (a step at rate 0)
-        for index, param in enumerate(params):
-            for key, value in saved.get(index, {}).items():
-                current = optimizer.state[param].get(key)
-                if isinstance(current, torch.Tensor):
-                    _copy(_local(current), value, f"optimizer state {key!r} of parameter {index}")
-                else:
-                    optimizer.state[param][key] = value
-        set_hyperparameters(optimizer, held["param_groups"])
+        put_back_optimizer(held["optimizer"], optimizer)
     if scheduler is not None and "scheduler" in held:
         scheduler.load_state_dict(held["scheduler"])
     if scaler is not None and "scaler" in held:

@@ -10,10 +10,15 @@ import attrs
 import torch.distributed as dist
 
 from shardwise.errors import FaultToleranceError
-from shardwise.fault_tolerance.healing import held_state, put_back
+from shardwise.fault_tolerance.healing import (
+    held_state,
+    local,
+    put_back,
+    put_back_optimizer,
+)
 from shardwise.state import TrainState
 
-__all__ = ["join"]
+__all__ = ["join", "average_parameters", "average"]
 
 
 @attrs.define(eq=False)
@@ -25,12 +30,15 @@ class _Callbacks:
     healed: list[TrainState] = attrs.Factory(list)
 
     def held(self) -> dict[str, Any]:
-        b = self.bundle
-        return held_state(b.model, b.optimizer, b.scheduler, b.scaler, self.engine.replicas.state)
+        b, replicas = self.bundle, self.engine.replicas
+        held = held_state(b.model, b.optimizer, b.scheduler, b.scaler, replicas.state)
+        held["replicas"] = replicas.extra_state()
+        return held
 
     def put_back(self, held: dict[str, Any]) -> None:
         b = self.bundle
         self.healed.append(put_back(held, b.model, b.optimizer, b.scheduler, b.scaler))
+        self.engine.replicas.pending = held.get("replicas") or None
 
 
 def _store(env: Any, replicas: Any) -> tuple[str, int]:
@@ -87,8 +95,12 @@ def join(engine: Any, bundle: Any, state: TrainState) -> TrainState:
     callbacks.bundle = bundle
     callbacks.healed.clear()
     replicas.manager.start_quorum()
-    replicas.joined = True
     replicas.participants = replicas.manager.num_participants()
+    if replicas.every is None:
+        replicas.joined = True  # the first window's quorum
+    else:  # local SGD: the peers average right after this quorum, and so does the group
+        _outer(replicas, bundle.model)
+        average_parameters(engine, bundle.model)
     if not callbacks.healed:
         return state
     healed = callbacks.healed[-1]
@@ -97,3 +109,80 @@ def join(engine: Any, bundle: Any, state: TrainState) -> TrainState:
     if resume is not None:
         resume(healed.epoch, healed.batch_in_epoch)
     return healed
+
+
+def _outer(replicas: Any, model: Any) -> None:
+    """DiLoCo's outer optimizer over a copy of the parameters (the last average), built once;
+    a healing peer's copy and optimizer state put in it."""
+    if replicas.outer_factory is None:
+        return
+    if replicas.outer is None:
+        replicas.backup = [local(p.detach()).clone() for p in model.parameters()]
+        replicas.outer = replicas.outer_factory(replicas.backup)
+    pending, replicas.pending = replicas.pending, None
+    if pending:
+        if len(pending["backup"]) != len(replicas.backup):
+            raise FaultToleranceError(
+                f"healing from a peer replica group: its DiLoCo average holds "
+                f"{len(pending['backup'])} tensors, this group's {len(replicas.backup)}; every "
+                "group must run the same model")
+        for mine, theirs in zip(replicas.backup, pending["backup"], strict=True):
+            mine.copy_(theirs)
+        put_back_optimizer(pending["outer"], replicas.outer)
+
+
+def average(manager: Any, tensors: list[Any]) -> None:
+    """Average ``tensors`` over the quorum's groups in place: one managed all-reduce per
+    dtype and device, through a flat buffer. A failed all-reduce is torchft's to report (the
+    step is then not committed)."""
+    import torch
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict[Any, list[Any]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    pending = []
+    for group in groups.values():
+        flat = _flatten_dense_tensors(group)
+        pending.append((group, flat, manager.allreduce(flat)))
+    with torch.no_grad():
+        for group, flat, work in pending:
+            work.wait()
+            for tensor, mean in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                tensor.copy_(mean)
+
+
+def average_parameters(engine: Any, model: Any) -> None:
+    """Local SGD's average across the quorum's groups, after its quorum: each rank's part of
+    every parameter. Plain: the average where torchft commits it, else the parameters stay
+    this group's. DiLoCo: the change since the last average (the pseudo-gradient) averaged,
+    the outer optimizer applied to the last average, and the parameters set to the result
+    where committed, else back to the last average."""
+    import torch
+
+    replicas = engine.replicas
+    manager = replicas.manager
+    params = [local(p.detach()) for p in model.parameters()]
+    if replicas.outer is None:
+        means = [p.clone() for p in params]
+        average(manager, means)
+        if manager.should_commit():
+            replicas.committed += 1
+            with torch.no_grad():
+                torch._foreach_copy_(params, means)
+        else:
+            replicas.discarded += 1
+        return
+    backup = replicas.backup
+    changes = list(torch._foreach_sub(backup, params))
+    average(manager, changes)
+    if manager.should_commit():
+        replicas.committed += 1
+        for tensor, change in zip(backup, changes, strict=True):
+            tensor.grad = change
+        replicas.outer.step()
+        replicas.outer.zero_grad(set_to_none=True)
+    else:
+        replicas.discarded += 1
+    with torch.no_grad():
+        torch._foreach_copy_(params, backup)

@@ -88,7 +88,7 @@ class FaultTolerant(Transform):
                "shard() and tensor_parallel() run inside a group); drop one")
         return {name: f"{name}() {why}" for name in
                 ("deepspeed", "shard_optimizer", "pipeline_parallel", "context_parallel",
-                 "expert_parallel", "local_sgd")}
+                 "expert_parallel")}
 
     def replica(self, env: Env) -> tuple[int, int]:
         """``(group, groups)``: this group's id and the groups the data is split over (the
@@ -118,9 +118,11 @@ class FaultTolerant(Transform):
         from shardwise.fault_tolerance.engine import FaultTolerantEngine, Replicas
 
         group, groups = self.replica(bundle.env)
+        plan = bundle.plan
         replicas = Replicas(group=group, groups=groups, timeout=self.timeout,
                             quorum_timeout=self.quorum_timeout,
-                            hostname=self.hostname or socket.gethostname())
+                            hostname=self.hostname or socket.gethostname(),
+                            every=plan.local_sgd_every, outer_factory=plan.local_sgd_outer)
         engine = FaultTolerantEngine(inner=bundle.engine, replicas=replicas,
                                      min_replicas=self.min_replicas)
         return attrs.evolve(bundle, engine=engine)

@@ -206,6 +206,7 @@ def check_combination(parts: list[Transform], *, applied: bool = False) -> None:
     if applied and not any(p.stage > Stage.DISTRIBUTION for p in parts):
         return
     for part in parts:
-        for name, why in part.needs().items():
-            if name not in by_name:
-                raise ConflictError(f"{part!r} needs {name}(): {why}")
+        for name, why in part.needs().items():  # "a|b": either of them
+            if not any(one in by_name for one in name.split("|")):
+                asked = " or ".join(f"{one}()" for one in name.split("|"))
+                raise ConflictError(f"{part!r} needs {asked}: {why}")

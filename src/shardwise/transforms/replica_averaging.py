@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
+from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.env import Env
+from shardwise.errors import ArgumentError
 from shardwise.plan import Plan
 from shardwise.transforms._checks import integer_at_least_one
 from shardwise.transforms.base import Stage, Transform
@@ -34,26 +36,48 @@ class LocalSGD(Transform):
     rank resumes from. Accelerate's ``LocalSGD`` counts its ``step()`` calls (one per batch
     in its example) and averages only parameters, also at the end of its context.
 
+    Beside :func:`shardwise.fault_tolerant` the replicas are the replica groups instead
+    (each group keeps its own layout, synchronous inside): every ``every``-th step the groups
+    in torchft's quorum average their parameters, and a group lost meanwhile costs the
+    survivors nothing but that average. With ``outer`` (DiLoCo) they average the change
+    since the last average instead (the pseudo-gradient) and ``outer``'s optimizer applies
+    it to the last average, e.g. ``outer=lambda params: torch.optim.SGD(params, lr=0.7,
+    momentum=0.9, nesterov=True)``; an average torchft does not commit leaves plain local
+    SGD's parameters local, and DiLoCo's back at the last average.
+
     Args:
         every: optimizer steps between averages, >= 1.
+        outer: DiLoCo's outer optimizer, built from a list of tensors (each rank's part of
+            every parameter): needs ``fault_tolerant()``.
 
     Raises:
-        ValueError: ``every`` is not an integer >= 1.
-        ConflictError: no ``replicate()`` in the pipeline, or ``shard_optimizer()`` (which
-            would broadcast parameters every step).
+        ValueError: ``every`` is not an integer >= 1, or ``outer`` is not callable.
+        ConflictError: neither ``replicate()`` nor ``fault_tolerant()`` in the pipeline,
+            ``outer`` without ``fault_tolerant()``, or ``shard_optimizer()`` (which would
+            broadcast parameters every step).
 
     Example:
         >>> pipe = sw.pipeline(sw.replicate(), sw.local_sgd(every=8))
     """
 
     every: int = attrs.field(validator=integer_at_least_one)
+    outer: Any = attrs.field(default=None, kw_only=True)
     stage: ClassVar[Stage] = Stage.SETTINGS
     factory_name: ClassVar[str] = "local_sgd"
     distributes: ClassVar[bool] = True
 
+    def __attrs_post_init__(self) -> None:
+        if self.outer is not None and not callable(self.outer):
+            raise ArgumentError(f"local_sgd(outer={short(self.outer)}): accepted: a callable "
+                                "that builds the outer optimizer from a list of tensors")
+
     def needs(self) -> dict[str, str]:
-        return {"replicate": "local SGD averages DDP replicas; add sw.replicate() to the "
-                             "pipeline"}
+        if self.outer is not None:
+            return {"fault_tolerant": "outer= (DiLoCo) averages replica groups; add "
+                                      "sw.fault_tolerant() to the pipeline"}
+        return {"replicate|fault_tolerant": "local SGD averages DDP replicas or torchft's "
+                                            "replica groups; add sw.replicate() or "
+                                            "sw.fault_tolerant() to the pipeline"}
 
     def excludes(self) -> dict[str, str]:
         return {"shard_optimizer": "ZeRO-1 broadcasts the updated parameters every step, "
@@ -63,7 +87,16 @@ class LocalSGD(Transform):
         return self._record(bundle)
 
     def record(self, plan: Plan) -> Plan:
-        return attrs.evolve(plan, local_sgd_every=self.every)
+        return attrs.evolve(plan, local_sgd_every=self.every, local_sgd_outer=self.outer)
+
+    def describe_in(self, env: Env, plan: Plan) -> str:
+        if plan.fault_tolerant is None:
+            return self.describe(env)
+        outer = ("; DiLoCo: the change since the last average is averaged and the outer "
+                 "optimizer applies it" if self.outer is not None else "")
+        return (f"local SGD across torchft's replica groups: each group trains on its own "
+                f"(synchronous inside), the groups' parameters averaged every {self.every} "
+                f"optimizer step(s){outer}")
 
     def describe(self, env: Env) -> str:
         if not env.is_distributed:

@@ -55,12 +55,15 @@ class Replicate(Distribution):
         """The engine this transform puts in the bundle (settings only, nothing is built)."""
         if not env.is_distributed:
             return LocalEngine()
-        if plan.local_sgd_every and self.static_graph:
+        # beside fault_tolerant, local SGD's replicas are the replica groups: DDP inside a
+        # group averages gradients every step
+        every = None if plan.fault_tolerant is not None else plan.local_sgd_every
+        if every and self.static_graph:
             raise ConflictError(f"{self!r} and local_sgd(every={plan.local_sgd_every}): DDP's "
                                 "static graph must synchronise its first iteration, which local "
                                 "SGD never does; drop static_graph=True")
         return DDPEngine(world_size=env.world_size, static_graph=self.static_graph,
-                         local_sgd_every=plan.local_sgd_every)
+                         local_sgd_every=every)
 
     def __call__(self, bundle: Bundle) -> Bundle:
         bundle = self._record(bundle)

@@ -57,7 +57,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--layout", default="one", choices=["one", "replicate", "shard"])
+    parser.add_argument("--layout", default="one", choices=["one", "replicate", "shard", "tp"])
     parser.add_argument("--pause", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--local-sgd", type=int, default=0, help="average every k steps")
@@ -67,7 +67,8 @@ def main():
     env = sw.detect()
     group = int(os.environ["REPLICA_GROUP_ID"])
     inner = {"one": [], "replicate": [sw.replicate()],
-             "shard": [sw.shard(policy=sw.by_class(torch.nn.Linear))]}[args.layout]
+             "shard": [sw.shard(policy=sw.by_class(torch.nn.Linear))],
+             "tp": [sw.tensor_parallel(plan={"0": "colwise", "2": "rowwise"})]}[args.layout]
     model, optimizer, scheduler = model_and_optimizer()
     loader = DataLoader(Numbered(), batch_size=BATCH, shuffle=True)
     if args.local_sgd:

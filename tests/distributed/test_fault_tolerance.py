@@ -138,6 +138,17 @@ def test_two_healthy_groups_equal_one_process_on_the_global_batch(tmp_path):
     assert_same_weights(finals, steps)
 
 
+@pytest.mark.parametrize("layout", ["replicate", "tp"])
+def test_groups_of_two_ranks_replicated_or_tensor_parallel_equal_one_process(tmp_path, layout):
+    """Inside each group DDP (or tensor parallelism over 2 ranks); across groups torchft:
+    one process on both groups' batches together (tensor-parallel ranks read one batch)."""
+    run = Run(tmp_path, layout=layout, steps=6, pause=0, quorum=2)
+    finals = run.finish()
+    steps = ft.applied_batches(tmp_path)
+    assert [s for s, _ in steps] == list(range(1, 7))
+    assert_same_weights(finals, steps)
+
+
 def kill_and_heal(tmp_path, layout):
     """Kill group 0 mid-run; group 1 goes on alone; group 0 restarted heals from it."""
     run = Run(tmp_path, layout=layout, steps=400, pause=0.05)

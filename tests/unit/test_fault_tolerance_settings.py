@@ -60,6 +60,7 @@ def test_what_is_not_carried_across_groups_is_refused_by_name(other):
 
 
 def test_the_data_is_split_over_every_groups_ranks_as_torchfts_sampler():
+    pytest.importorskip("torchft")
     env = sw.Env(world_size=2, rank=1)
     assert data_share(env, None, (0, 3)) == (6, 1, 1)
     assert data_share(env, None, (2, 3)) == (6, 5, 1)
@@ -72,6 +73,7 @@ def test_the_data_is_split_over_every_groups_ranks_as_torchfts_sampler():
 
 
 def test_a_step_before_the_group_joined_is_refused():
+    pytest.importorskip("torchft")
     model = TinyMLP()
     pipe = sw.pipeline(one_process(), sw.fault_tolerant(group=0, groups=1))
     bundle = pipe(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -113,3 +115,49 @@ def test_diloco_needs_replica_groups_and_a_callable_outer_optimizer():
     assert "torchft across replica groups" in text
     assert "local SGD across torchft's replica groups: each group trains on its own" in text
     assert "DiLoCo: the change since the last average" in text
+
+
+class _Payload:
+    """What a forged peer could send: unpickling it would run code."""
+
+    def __reduce__(self):
+        return (print, ("code from a peer ran",))
+
+
+def test_a_peers_state_is_read_weights_only_and_a_forged_one_refused(capsys):
+    """The heal's transport reads a peer's state with torch's weights_only unpickler: what
+    shardwise sends (tensors, AdamW's and a scheduler's state, the TrainState) arrives; an
+    object that would run code on unpickling is refused."""
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    from shardwise.fault_tolerance.healing import held_state
+    from shardwise.fault_tolerance.joining import weights_only_transport
+
+    model = TinyMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model(torch.randn(2, 8), torch.randn(2, 1)).backward()
+    optimizer.step()
+    scheduler.step()
+    held = held_state(model, optimizer, scheduler, None, sw.TrainState(step=3, epoch=1))
+    timeout = timedelta(seconds=10)
+    honest, forged, mine = (HTTPTransport(timeout=timeout, num_chunks=0),
+                            HTTPTransport(timeout=timeout, num_chunks=0),
+                            weights_only_transport(timeout))
+    try:
+        honest.send_checkpoint(dst_ranks=[1], step=1, state_dict={"user": held}, timeout=timeout)
+        got = mine.recv_checkpoint(src_rank=0, metadata=honest.metadata(), step=1,
+                                   timeout=timeout)["user"]
+        assert got["train_state"] == {**sw.TrainState(step=3, epoch=1).to_dict()}
+        assert torch.equal(got["model"]["p:fc1.weight"], model.fc1.weight)
+        forged.send_checkpoint(dst_ranks=[1], step=1, state_dict={"user": _Payload()},
+                               timeout=timeout)
+        with pytest.raises(Exception, match="Unsupported global: GLOBAL print"):
+            mine.recv_checkpoint(src_rank=0, metadata=forged.metadata(), step=1, timeout=timeout)
+        assert "code from a peer ran" not in capsys.readouterr().out
+    finally:
+        for transport in (honest, forged, mine):
+            transport.shutdown(wait=False)

@@ -54,6 +54,25 @@ def _store(env: Any, replicas: Any) -> tuple[str, int]:
     return "127.0.0.1", store.port
 
 
+def weights_only_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, reading what a peer sends with torch's
+    ``weights_only`` unpickler (torchft's own reads with the full one, which runs any code a
+    forged peer sends): tensors, numbers, strings and containers only, which is all
+    :func:`~shardwise.fault_tolerance.healing.held_state` sends."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnlyTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return WeightsOnlyTransport(timeout=timeout, num_chunks=0)
+
+
 def _start(engine: Any, callbacks: _Callbacks) -> Any:
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
@@ -73,7 +92,7 @@ def _start(engine: Any, callbacks: _Callbacks) -> Any:
         quorum_timeout=timedelta(seconds=replicas.quorum_timeout), connect_timeout=timeout,
         rank=env.rank, world_size=env.world_size, store_addr=addr, store_port=port,
         lighthouse_addr=lighthouse, replica_id=f"shardwise_{replicas.group}",
-        hostname=replicas.hostname)
+        hostname=replicas.hostname, checkpoint_transport=weights_only_transport(timeout))
     manager.register_state_dict_fn("shardwise", callbacks.put_back, callbacks.held)
     return manager
 
@@ -95,6 +114,12 @@ def join(engine: Any, bundle: Any, state: TrainState) -> TrainState:
     callbacks.bundle = bundle
     callbacks.healed.clear()
     replicas.manager.start_quorum()
+    failed = replicas.manager.errored()
+    if failed is not None:  # e.g. the peer's state could not be fetched or read
+        raise FaultToleranceError(
+            f"replica group {replicas.group} could not join torchft's quorum: "
+            f"{type(failed.original_exception).__name__}: {failed.original_exception}; "
+            "nothing was trained. Its launcher restarts it (torchrun --max-restarts)")
     replicas.participants = replicas.manager.num_participants()
     if replicas.every is None:
         replicas.joined = True  # the first window's quorum

@@ -90,10 +90,12 @@ def main():
             time.sleep(0.01)
     ckpt = out / f"ckpt_group{group}"
     write(event="joining")
-    state = bundle.init()
+    # a restarted group that saved resumes from its checkpoint; the peers, ahead, heal it
+    resume = args.save_every and sw.latest_checkpoint(ckpt) is not None
+    state = sw.load(ckpt, bundle) if resume else bundle.init()
     replicas = bundle.engine.replicas
     write(event="joined", step=state.step, healed_from=replicas.healed_from,
-          participants=replicas.participants)
+          participants=replicas.participants, loaded=bool(resume))
     def last_step(steps):  # the driver may end the run sooner: every group reads one file
         stop = out / "stop_at"
         return min(steps, int(stop.read_text())) if stop.exists() else steps
@@ -157,9 +159,10 @@ def records(out):
 
 def applied_batches(out):
     """``[(step, [indices of every rank of every group in its quorum])]`` for the steps the
-    quorum applied: a step any group applied, with every group's batch lines of that step
-    (a group killed after the others committed had contributed its gradient; a group lost
-    earlier has no line for it)."""
+    quorum applied. A group's batch line counts where the quorum held as many groups as have
+    lines (a group killed after the others committed had contributed its gradient); where it
+    held fewer, a group killed before it joined that quorum has a line but no part in it, and
+    only the groups that applied the step count."""
     batches, applied = {}, {}
     for name, lines in records(out).items():
         rank = int(name.split("_rank")[1].split(".")[0])
@@ -170,11 +173,13 @@ def applied_batches(out):
                 assert key not in seen, f"group {key} read step {record['step']} twice"
                 seen[key] = record["index"]
             elif record["event"] == "stepped" and record["stepped"]:
-                applied.setdefault(record["step"], set()).add(record["participants"])
+                applied.setdefault(record["step"], {})[record["group"]] = record["participants"]
     steps = []
     for step in sorted(applied):
-        (participants,) = applied[step]  # every group that applied it saw one quorum
+        (participants,) = set(applied[step].values())  # the groups that applied it: one quorum
         lines = batches[step]
+        if len({group for group, _ in lines}) > participants:
+            lines = {key: value for key, value in lines.items() if key[0] in applied[step]}
         assert len({group for group, _ in lines}) == participants, (step, lines, participants)
         steps.append((step, [i for key in sorted(lines) for i in lines[key]]))
     return steps
@@ -198,14 +203,15 @@ if __name__ == "__main__":
 
 
 def group_batches(out):
-    """``{group: [(step, indices)]}``: what each group trained on, step by step (rank 0's
-    lines of one-process groups)."""
+    """``{group: [(step, indices of every rank of the group)]}``: what each group trained
+    on, step by step."""
     found = {}
     for name, lines in records(out).items():
-        if name.endswith("_rank0.jsonl"):
-            group = int(name[len("group"):name.index("_")])
-            found[group] = [(r["step"], r["index"]) for r in lines if r["event"] == "batch"]
-    return found
+        group = int(name[len("group"):name.index("_")])
+        rank = [(r["step"], r["index"]) for r in lines if r["event"] == "batch"]
+        found.setdefault(group, []).append(rank)
+    return {group: [(ranks[0][i][0], [x for rank in ranks for x in rank[i][1]])
+                    for i in range(len(ranks[0]))] for group, ranks in found.items()}
 
 
 def replay_local_sgd(out, every, diloco):

@@ -148,6 +148,16 @@ class Env:
                                    or memory < 0):
             raise EnvError(f"'device_memory_bytes' must be an integer >= 0 or None "
                            f"(got {_short(memory)})")
+        for name, low in (("replica_group", 0), ("replica_groups", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < low):
+                raise EnvError(f"'{name}' must be an integer >= {low} or None "
+                               f"(got {_short(value)})")
+        if self.lighthouse is not None and not self.lighthouse.startswith(("http://",
+                                                                          "https://")):
+            raise EnvError(f"TORCHFT_LIGHTHOUSE={_short(self.lighthouse)} must be the "
+                           "lighthouse's http://host:port")
         restart = self.restart_count
         if isinstance(restart, bool) or not isinstance(restart, int) or restart < 0:
             raise EnvError(f"'restart_count' must be an integer >= 0 (got {_short(restart)})")

@@ -201,6 +201,7 @@ class Stepper:
                         step=state.step + 1, micro_step=micro.index, epoch=epoch,
                         batch_in_epoch=batch_in_epoch, skipped_steps=state.skipped_steps + 1,
                         synced=state.synced or done.synced)
+                    engine.after_window(run, exc.state)  # replicas' averages stay in step
                     raise
         boundary = micro.boundary
         next_state = TrainState(

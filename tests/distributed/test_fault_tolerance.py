@@ -242,6 +242,8 @@ def test_ten_kills_at_random_points_healing_and_saving_included(tmp_path):
         healed = [r for r in run.lines(group) if r["event"] == "joined"][1:]
         assert all(r["healed_from"] is not None for r in healed[-1:])
     assert_same_weights(finals, ft.applied_batches(tmp_path))
+    loaded = [r for g in (0, 1) for r in run.lines(g) if r["event"] == "joined" and r["loaded"]]
+    assert any(r["healed_from"] is not None for r in loaded)  # sw.load, then healed by a peer
     model, optimizer, scheduler = ft.model_and_optimizer()
     bundle = sw.pipeline(sw.Env())(model, optimizer, scheduler=scheduler)
     for group in (0, 1):
@@ -250,12 +252,15 @@ def test_ten_kills_at_random_points_healing_and_saving_included(tmp_path):
         assert state.step in saved and state.step >= max(saved) - 5
 
 
-@pytest.mark.parametrize("diloco", [False, True], ids=["local_sgd", "diloco"])
-def test_local_sgd_and_diloco_across_groups_equal_two_replicas_in_one_process(tmp_path, diloco):
-    """Each group steps on its own batches; every 3rd step the groups average their
-    parameters (DiLoCo: their change, through Nesterov momentum): one process simulating
-    the two groups gets the same weights."""
-    run = Run(tmp_path, steps=12, pause=0, quorum=2, local_sgd=3, diloco=diloco)
+@pytest.mark.parametrize(("diloco", "layout"), [(False, "one"), (True, "one"),
+                                                (False, "replicate")],
+                         ids=["local_sgd", "diloco", "local_sgd_over_ddp_groups"])
+def test_local_sgd_and_diloco_across_groups_equal_two_replicas_in_one_process(tmp_path, diloco,
+                                                                              layout):
+    """Each group steps on its own batches (a group of 2 DDP ranks synchronously inside);
+    every 3rd step the groups average their parameters (DiLoCo: their change, through
+    Nesterov momentum): one process simulating the two groups gets the same weights."""
+    run = Run(tmp_path, layout=layout, steps=12, pause=0, quorum=2, local_sgd=3, diloco=diloco)
     finals = run.finish()
     first, second = finals
     for name, value in first["weights"].items():

@@ -41,10 +41,15 @@ def test_the_group_and_the_count_come_from_torchfts_variables():
         sw.detect(environ={"REPLICA_GROUP_ID": "x"})
     with pytest.raises(sw.errors.EnvError, match="NUM_REPLICA_GROUPS must be an integer >= 1"):
         sw.detect(environ={"NUM_REPLICA_GROUPS": "0"})
+    with pytest.raises(sw.errors.EnvError, match="TORCHFT_LIGHTHOUSE='host:1' must be the"):
+        sw.detect(environ={"TORCHFT_LIGHTHOUSE": "host:1"})
+    with pytest.raises(sw.errors.EnvError, match="'replica_group' must be an integer >= 0"):
+        sw.Env(replica_group="0")
 
 
 @pytest.mark.parametrize("bad", [dict(min_replicas=0), dict(group=-1), dict(groups=0),
-                                 dict(timeout=0)])
+                                 dict(timeout=0), dict(group="1"), dict(groups=True),
+                                 dict(max_discarded=0)])
 def test_bad_settings_are_refused_by_name(bad):
     with pytest.raises(ArgumentError, match=next(iter(bad))):
         sw.fault_tolerant(**bad)
@@ -70,6 +75,10 @@ def test_the_data_is_split_over_every_groups_ranks_as_torchfts_sampler():
     pipe = sw.pipeline(one_process(), sw.fault_tolerant(group=1, groups=2))
     bundle = pipe(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
     assert [b[0].tolist() for b in bundle.loader] == [[1.0, 3.0], [5.0, 7.0]]
+    # each group evaluates the whole eval set (its metrics are its own group's)
+    bundle = pipe(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                  eval_loader=DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2))
+    assert [b[0].tolist() for b in bundle.eval_loader] == [[0.0, 1.0], [2.0, 3.0]]
 
 
 def test_a_step_before_the_group_joined_is_refused():
@@ -146,11 +155,12 @@ def test_a_peers_state_is_read_weights_only_and_a_forged_one_refused(capsys):
     timeout = timedelta(seconds=10)
     honest, forged, mine = (HTTPTransport(timeout=timeout, num_chunks=0),
                             HTTPTransport(timeout=timeout, num_chunks=0),
-                            weights_only_transport(timeout))
+                            weights_only_transport(timeout, "127.0.0.1"))
     try:
         honest.send_checkpoint(dst_ranks=[1], step=1, state_dict={"user": held}, timeout=timeout)
         got = mine.recv_checkpoint(src_rank=0, metadata=honest.metadata(), step=1,
                                    timeout=timeout)["user"]
+        assert mine.metadata().startswith("http://127.0.0.1:")  # the hostname= given
         assert got["train_state"] == {**sw.TrainState(step=3, epoch=1).to_dict()}
         assert torch.equal(got["model"]["p:fc1.weight"], model.fc1.weight)
         forged.send_checkpoint(dst_ranks=[1], step=1, state_dict={"user": _Payload()},

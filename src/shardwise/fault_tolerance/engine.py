@@ -62,6 +62,8 @@ class Replicas:
         outer_factory: DiLoCo's outer optimizer, built from the last average's tensors.
         outer: that optimizer, once built; backup: the last average (each rank's parts).
         pending: a healing peer's :meth:`extra_state`, until the outer optimizer exists.
+        max_discarded: updates in a row the quorum may discard before the group stops.
+        in_a_row: updates discarded since the last committed one.
     """
 
     group: int
@@ -83,6 +85,8 @@ class Replicas:
     outer: Any = None
     backup: list[torch.Tensor] | None = None
     pending: dict[str, Any] | None = None
+    max_discarded: int = 20
+    in_a_row: int = 0
 
     def extra_state(self) -> dict[str, Any]:
         """What a healing peer needs beside the bundle's objects: DiLoCo's last average and
@@ -240,18 +244,39 @@ class FaultTolerantEngine(Engine):
         if replicas.every is not None:  # local SGD: the group steps alone (after_window)
             return self.inner.end_window(run, state, done, micro)
         run.phase = "all-reduce across torchft replica groups"
+        for param in run.params:  # every group sends every gradient, in one layout
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
         grads = [self.inner.local(p.grad) for p in run.params if p.grad is not None]
         if done.total is not None:  # the items of a weighted window: averaged like gradients
             grads.append(done.total)
+        if done.losses is not None and done.losses.is_floating_point():
+            grads.append(done.losses)  # a non-finite loss in one group is seen by all
         average(manager, grads)
         run.phase = "torchft should_commit"
         if not manager.should_commit():
-            replicas.discarded += 1
+            self._discarded(manager)
             run.optimizer.zero_grad(set_to_none=True)
             run.labelled = None
             return WindowEnd(skipped=True)
         replicas.committed += 1
+        replicas.in_a_row = 0
         return self.inner.end_window(run, state, done, micro)
+
+    def _discarded(self, manager: Any) -> None:
+        """Count a discarded update; past ``max_discarded`` in a row, stop, naming why."""
+        replicas = self.replicas
+        replicas.discarded += 1
+        replicas.in_a_row += 1
+        if replicas.in_a_row > replicas.max_discarded:
+            failed = manager.errored()
+            why = (f"{type(failed.original_exception).__name__}: {failed.original_exception}"
+                   if failed is not None else f"fewer than min_replicas={self.min_replicas} "
+                   "live groups (is the lighthouse's --min-replicas lower?)")
+            raise FaultToleranceError(
+                f"replica group {replicas.group}: {replicas.in_a_row} updates in a row were not "
+                f"committed (the last: {why}); the data position kept moving without training. "
+                "Check the other groups and the lighthouse, or raise max_discarded")
 
     def after_window(self, run: StepRun, state: TrainState) -> None:
         """Local SGD across groups: every ``every``-th step, a quorum and the average, with

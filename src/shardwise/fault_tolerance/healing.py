@@ -54,6 +54,8 @@ def put_back_optimizer(held: dict[str, Any], optimizer: torch.optim.Optimizer) -
             current = optimizer.state[param].get(key)
             if isinstance(current, torch.Tensor):
                 _copy(local(current), value, f"optimizer state {key!r} of parameter {index}")
+            elif isinstance(value, torch.Tensor) and key != "step":  # on the parameter's device
+                optimizer.state[param][key] = value.to(local(param).device)
             else:
                 optimizer.state[param][key] = value
     set_hyperparameters(optimizer, held["param_groups"])

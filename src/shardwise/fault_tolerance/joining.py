@@ -37,7 +37,12 @@ class _Callbacks:
 
     def put_back(self, held: dict[str, Any]) -> None:
         b = self.bundle
-        self.healed.append(put_back(held, b.model, b.optimizer, b.scheduler, b.scaler))
+        try:
+            self.healed.append(put_back(held, b.model, b.optimizer, b.scheduler, b.scaler))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise FaultToleranceError(
+                f"healing from a peer replica group: its state is malformed ({type(exc).__name__}: "
+                f"{exc}); every group must run this shardwise on the same model") from exc
         self.engine.replicas.pending = held.get("replicas") or None
 
 
@@ -54,11 +59,12 @@ def _store(env: Any, replicas: Any) -> tuple[str, int]:
     return "127.0.0.1", store.port
 
 
-def weights_only_transport(timeout: timedelta) -> Any:
+def weights_only_transport(timeout: timedelta, hostname: str) -> Any:
     """torchft's HTTP checkpoint transport, reading what a peer sends with torch's
     ``weights_only`` unpickler (torchft's own reads with the full one, which runs any code a
     forged peer sends): tensors, numbers, strings and containers only, which is all
-    :func:`~shardwise.fault_tolerance.healing.held_state` sends."""
+    :func:`~shardwise.fault_tolerance.healing.held_state` sends. Its address names
+    ``hostname`` (torchft's names the host's own name, which other machines may not resolve)."""
     import urllib.request
 
     from torch.distributed._serialization import _streaming_load
@@ -69,6 +75,10 @@ def weights_only_transport(timeout: timedelta) -> Any:
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 return _streaming_load(f, weights_only=True)
+
+        def address(self) -> str:  # the address the groups reach each other at
+            port = self._server.socket.getsockname()[1]
+            return f"http://{hostname}:{port}/checkpoint/"
 
     return WeightsOnlyTransport(timeout=timeout, num_chunks=0)
 
@@ -92,7 +102,7 @@ def _start(engine: Any, callbacks: _Callbacks) -> Any:
         quorum_timeout=timedelta(seconds=replicas.quorum_timeout), connect_timeout=timeout,
         rank=env.rank, world_size=env.world_size, store_addr=addr, store_port=port,
         lighthouse_addr=lighthouse, replica_id=f"shardwise_{replicas.group}",
-        hostname=replicas.hostname, checkpoint_transport=weights_only_transport(timeout))
+        hostname=replicas.hostname, checkpoint_transport=weights_only_transport(timeout, replicas.hostname))
     manager.register_state_dict_fn("shardwise", callbacks.put_back, callbacks.held)
     return manager
 
@@ -111,9 +121,21 @@ def join(engine: Any, bundle: Any, state: TrainState) -> TrainState:
     if callbacks is None:
         callbacks = replicas.callbacks = _Callbacks(bundle, engine)
         replicas.manager = _start(engine, callbacks)
+    else:  # joined before (init, then load): the state given replaces this group's, so the
+        # quorum must compare it anew: from step 0, the peers ahead heal it
+        replicas.manager.load_state_dict({"step": 0, "batches_committed": 0})
     callbacks.bundle = bundle
     callbacks.healed.clear()
-    replicas.manager.start_quorum()
+    try:
+        replicas.manager.start_quorum()
+    except FaultToleranceError:
+        raise
+    except Exception as exc:  # torchft's quorum timeout, or a heal that failed to apply
+        raise FaultToleranceError(
+            f"replica group {replicas.group} could not join torchft's quorum within "
+            f"quorum_timeout={replicas.quorum_timeout} s ({type(exc).__name__}: {exc}); under "
+            "local SGD a restarted group waits for its peers' next average: make quorum_timeout "
+            "longer than the time between averages") from exc
     failed = replicas.manager.errored()
     if failed is not None:  # e.g. the peer's state could not be fetched or read
         raise FaultToleranceError(
@@ -125,7 +147,9 @@ def join(engine: Any, bundle: Any, state: TrainState) -> TrainState:
         replicas.joined = True  # the first window's quorum
     else:  # local SGD: the peers average right after this quorum, and so does the group
         _outer(replicas, bundle.model)
-        average_parameters(engine, bundle.model)
+        # a group that just healed holds its source's parameters: it joins the average
+        # with no weight, so the others' is not biased towards that source
+        average_parameters(engine, bundle.model, weight=0.0 if callbacks.healed else 1.0)
     if not callbacks.healed:
         return state
     healed = callbacks.healed[-1]
@@ -156,12 +180,15 @@ def _outer(replicas: Any, model: Any) -> None:
         put_back_optimizer(pending["outer"], replicas.outer)
 
 
-def average(manager: Any, tensors: list[Any]) -> None:
+def average(manager: Any, tensors: list[Any], weight: float | None = None) -> None:
     """Average ``tensors`` over the quorum's groups in place: one managed all-reduce per
-    dtype and device, through a flat buffer. A failed all-reduce is torchft's to report (the
-    step is then not committed)."""
+    dtype and device, through a flat buffer. With ``weight``, a weighted mean (a group of
+    weight 0 takes the others' mean and adds nothing to it): the weight travels in the same
+    buffer, summed. A failed all-reduce is torchft's to report (the step is then not
+    committed)."""
     import torch
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    from torch.distributed import ReduceOp
 
     groups: dict[Any, list[Any]] = {}
     for tensor in tensors:
@@ -169,15 +196,21 @@ def average(manager: Any, tensors: list[Any]) -> None:
     pending = []
     for group in groups.values():
         flat = _flatten_dense_tensors(group)
-        pending.append((group, flat, manager.allreduce(flat)))
+        if weight is None:
+            pending.append((group, flat, manager.allreduce(flat)))
+            continue
+        flat = torch.cat([flat * weight, flat.new_full((1,), weight)])
+        pending.append((group, flat, manager.allreduce(flat, reduce_op=ReduceOp.SUM)))
     with torch.no_grad():
         for group, flat, work in pending:
             work.wait()
+            if weight is not None:
+                flat = flat[:-1] / flat[-1].clamp(min=torch.finfo(flat.dtype).tiny)
             for tensor, mean in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                 tensor.copy_(mean)
 
 
-def average_parameters(engine: Any, model: Any) -> None:
+def average_parameters(engine: Any, model: Any, weight: float = 1.0) -> None:
     """Local SGD's average across the quorum's groups, after its quorum: each rank's part of
     every parameter. Plain: the average where torchft commits it, else the parameters stay
     this group's. DiLoCo: the change since the last average (the pseudo-gradient) averaged,
@@ -190,7 +223,7 @@ def average_parameters(engine: Any, model: Any) -> None:
     params = [local(p.detach()) for p in model.parameters()]
     if replicas.outer is None:
         means = [p.clone() for p in params]
-        average(manager, means)
+        average(manager, means, weight)
         if manager.should_commit():
             replicas.committed += 1
             with torch.no_grad():
@@ -200,7 +233,7 @@ def average_parameters(engine: Any, model: Any) -> None:
         return
     backup = replicas.backup
     changes = list(torch._foreach_sub(backup, params))
-    average(manager, changes)
+    average(manager, changes, weight)
     if manager.should_commit():
         replicas.committed += 1
         for tensor, change in zip(backup, changes, strict=True):

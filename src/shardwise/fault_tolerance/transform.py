@@ -8,9 +8,10 @@ from typing import Any, ClassVar
 
 import attrs
 
+from shardwise._text import short
 from shardwise.bundle import Bundle
 from shardwise.env import Env
-from shardwise.errors import FaultToleranceError
+from shardwise.errors import ArgumentError, FaultToleranceError
 from shardwise.plan import Plan
 from shardwise.transforms._checks import integer_at_least_one, positive_number
 from shardwise.transforms.base import Stage, Transform
@@ -24,8 +25,12 @@ GROUPS_VAR = "NUM_REPLICA_GROUPS"
 
 
 def _optional_group(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None:
-        integer_at_least_one(instance, attribute, value + 1 if attribute.name == "group" else value)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or \
+            value < (0 if attribute.name == "group" else 1):
+        raise ArgumentError(f"fault_tolerant({attribute.name}={short(value)}): accepted: None or "
+                            f"an integer >= {0 if attribute.name == 'group' else 1}")
 
 
 def _given(name: str, value: int | None) -> int:
@@ -64,6 +69,8 @@ class FaultTolerant(Transform):
         timeout: seconds a cross-group all-reduce, commit or heal may take.
         quorum_timeout: seconds to wait for a quorum.
         hostname: the address other groups reach this one at (None: the host's name).
+        max_discarded: updates in a row the quorum may discard before the group stops with
+            an error (a quorum that never commits would move the data on without training).
 
     Raises:
         FaultToleranceError: torchft is not installed (naming the extra), the group's id or
@@ -79,6 +86,7 @@ class FaultTolerant(Transform):
     timeout: float = attrs.field(default=60.0, kw_only=True, validator=positive_number)
     quorum_timeout: float = attrs.field(default=60.0, kw_only=True, validator=positive_number)
     hostname: str | None = attrs.field(default=None, kw_only=True)
+    max_discarded: int = attrs.field(default=20, kw_only=True, validator=integer_at_least_one)
     stage: ClassVar[Stage] = Stage.FAULT_TOLERANCE
     factory_name: ClassVar[str] = "fault_tolerant"
     distributes: ClassVar[bool] = True
@@ -115,6 +123,7 @@ class FaultTolerant(Transform):
             import torchft  # noqa: F401  (the optional extra)
         except ImportError as exc:
             raise FaultToleranceError(f"fault_tolerant() needs torchft ({exc}); {EXTRA}") from None
+        from shardwise.engines import DDPEngine
         from shardwise.fault_tolerance.engine import FaultTolerantEngine, Replicas
 
         group, groups = self.replica(bundle.env)
@@ -122,8 +131,13 @@ class FaultTolerant(Transform):
         replicas = Replicas(group=group, groups=groups, timeout=self.timeout,
                             quorum_timeout=self.quorum_timeout,
                             hostname=self.hostname or socket.gethostname(),
-                            every=plan.local_sgd_every, outer_factory=plan.local_sgd_outer)
-        engine = FaultTolerantEngine(inner=bundle.engine, replicas=replicas,
+                            every=plan.local_sgd_every, outer_factory=plan.local_sgd_outer,
+                            max_discarded=self.max_discarded)
+        inner = bundle.engine
+        if isinstance(inner, DDPEngine) and inner.local_sgd_every:
+            # local SGD's replicas are the groups: DDP inside averages every step
+            inner = attrs.evolve(inner, local_sgd_every=None)
+        engine = FaultTolerantEngine(inner=inner, replicas=replicas,
                                      min_replicas=self.min_replicas)
         return attrs.evolve(bundle, engine=engine)
 

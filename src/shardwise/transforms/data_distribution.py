@@ -79,15 +79,18 @@ class DistributeData(Transform):
         ft = bundle.plan.fault_tolerant
         replica = ft.replica(env) if ft is not None else None
 
-        def distributed(loader: Any) -> DeviceLoader | None:
+        def distributed(loader: Any, across: tuple[int, int] | None = None
+                        ) -> DeviceLoader | None:
             if loader is None:
                 return None
             sharded = shard_loader(loader, env, seed=self.seed, pin_memory=pin, mesh=mesh,
                                    split=self.split, global_seed=self.global_seed,
-                                   replica=replica)
+                                   replica=across)
             return DeviceLoader(sharded, env.device, non_blocking=self.non_blocking)
 
-        return attrs.evolve(bundle, loader=distributed(bundle.loader),
+        # across fault_tolerant()'s replica groups only the training data is split: each
+        # group evaluates the whole eval set (its metrics are reduced inside the group)
+        return attrs.evolve(bundle, loader=distributed(bundle.loader, replica),
                             eval_loader=distributed(bundle.eval_loader), distributor=distributed)
 
     @staticmethod

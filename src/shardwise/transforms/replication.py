@@ -55,9 +55,8 @@ class Replicate(Distribution):
         """The engine this transform puts in the bundle (settings only, nothing is built)."""
         if not env.is_distributed:
             return LocalEngine()
-        # beside fault_tolerant, local SGD's replicas are the replica groups: DDP inside a
-        # group averages gradients every step
-        every = None if plan.fault_tolerant is not None else plan.local_sgd_every
+        # beside fault_tolerant (applied later) the engine is rebuilt without local SGD
+        every = plan.local_sgd_every
         if every and self.static_graph:
             raise ConflictError(f"{self!r} and local_sgd(every={plan.local_sgd_every}): DDP's "
                                 "static graph must synchronise its first iteration, which local "

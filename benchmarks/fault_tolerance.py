@@ -130,6 +130,9 @@ def torchft(args: argparse.Namespace, out: Path) -> dict:
         for process in groups:
             process.wait(timeout=600)
     finally:
+        for process in groups:
+            if process.poll() is None:
+                process.kill()
         house.terminate()
         house.wait()
     survivor = [r for r in _lines(out / "group0.jsonl") if r["event"] == "step"]

@@ -30,6 +30,17 @@ def lighthouse(min_replicas=1):
     return process, f"http://127.0.0.1:{port}"
 
 
+#: the runs a test started: ended (groups and lighthouse) when it ends, passed or not
+_RUNS = []
+
+
+@pytest.fixture(autouse=True)
+def _end_runs():
+    yield
+    while _RUNS:
+        _RUNS.pop().close()
+
+
 class Run:
     """Two replica groups of tests/_fault_tolerance.py under one lighthouse, in ``out``."""
 
@@ -43,6 +54,7 @@ class Run:
         self.house, address = lighthouse(quorum)
         self.env = dict(os.environ, TORCHFT_LIGHTHOUSE=address, NUM_REPLICA_GROUPS="2",
                         OMP_NUM_THREADS="1", FT_BARRIER=str(2 * self.ranks))
+        _RUNS.append(self)
         self.groups = {g: self.start(g) for g in (0, 1)}
         self.starts = {0: 1, 1: 1}
 
@@ -96,13 +108,18 @@ class Run:
                 code = process.wait(timeout=timeout)
                 assert code == 0, f"group {group} exited {code}:\n{self.output(group)}"
         finally:
-            for process in self.groups.values():
-                if process.poll() is None:
-                    ft.kill_group(process)
-            self.house.terminate()
-            self.house.wait()
+            self.close()
         finals = [torch.load(self.out / f"group{g}_final.pt") for g in (0, 1)]
         return finals
+
+    def close(self):
+        """Kill what is left of the groups, and the lighthouse."""
+        for process in self.groups.values():
+            if process is not None and process.poll() is None:
+                ft.kill_group(process)
+        if self.house.poll() is None:
+            self.house.terminate()
+            self.house.wait()
 
     def output(self, group):
         path = self.out / f"group{group}.out"

@@ -93,6 +93,19 @@ class Run:
         self.groups[group] = self.start(group)
         self.starts[group] += 1
 
+    def lose_and_restart(self, group, before, alone, jitter=0.0):
+        """Kill ``group`` after its ``before``-th step (and up to ``jitter`` s more), let the
+        other group step ``alone`` times without it, restart it and wait for its first step:
+        (the kill's time, the restarted group's lines)."""
+        self.wait_for(group, lambda lines: sum(r["event"] == "stepped" for r in lines) >= before)
+        time.sleep(random.uniform(0, jitter))
+        killed = self.kill(group)
+        self.wait_for(1 - group, lambda lines: sum(r["event"] == "stepped" and r["time"] > killed
+                                                   for r in lines) >= alone)
+        self.restart(group)
+        return killed, self.wait_for(group, lambda lines: any(
+            r["event"] == "stepped" and r["time"] > killed for r in lines))
+
     def stop_soon(self, extra=10):
         """End the run ``extra`` steps after the furthest group's step (both read the file
         long before they get there, so both stop at it)."""
@@ -169,14 +182,7 @@ def test_groups_of_two_ranks_replicated_or_tensor_parallel_equal_one_process(tmp
 def kill_and_heal(tmp_path, layout):
     """Kill group 0 mid-run; group 1 goes on alone; group 0 restarted heals from it."""
     run = Run(tmp_path, layout=layout, steps=400, pause=0.05)
-    run.wait_for(0, lambda lines: sum(r["event"] == "stepped" for r in lines) >= 5)
-    time.sleep(random.uniform(0, 0.1))
-    killed = run.kill(0)
-    run.wait_for(1, lambda lines: sum(r["event"] == "stepped" and r["time"] > killed
-                                      for r in lines) >= 5)
-    run.restart(0)
-    after = run.wait_for(0, lambda lines: any(r["event"] == "stepped" and r["time"] > killed
-                                             for r in lines))
+    killed, after = run.lose_and_restart(0, before=5, alone=5, jitter=0.1)
     run.stop_soon()
     finals = run.finish()
     joined = [r for r in after if r["event"] == "joined" and r["time"] > killed][0]
@@ -292,13 +298,7 @@ def test_diloco_survives_a_lost_group_and_heals_it(tmp_path):
     at the next average (its weights, optimizers and the outer optimizer's momentum), and
     both end on one model."""
     run = Run(tmp_path, steps=10**6, pause=0.02, local_sgd=3, diloco=True)
-    run.wait_for(0, lambda lines: sum(r["event"] == "stepped" for r in lines) >= 6)
-    killed = run.kill(0)
-    run.wait_for(1, lambda lines: sum(r["event"] == "stepped" and r["time"] > killed
-                                      for r in lines) >= 6)
-    run.restart(0)
-    after = run.wait_for(0, lambda lines: any(r["event"] == "stepped" and r["time"] > killed
-                                             for r in lines))
+    killed, after = run.lose_and_restart(0, before=6, alone=6)
     run.stop_soon()
     first, second = run.finish()
     joined = [r for r in after if r["event"] == "joined" and r["time"] > killed][0]
